@@ -1,0 +1,31 @@
+# specdec: `make demo` (main job on the default model), `make test` (test suite).
+# Both bootstrap .venv themselves.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export OMP_WAIT_POLICY := PASSIVE
+
+.PHONY: venv demo test bench clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	# torch first and pinned: the local CPU wheel, never a multi-GB CUDA build
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) -m specdec.demo
+
+test: $(STAMP)
+	$(VPY) -m pytest -q -x --durations=15
+
+bench: $(STAMP)
+	$(VPY) -m specdec.cli bench --target qwen2.5-coder-1.5b --limit-per-category 3 --max-new-tokens 128
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,99 @@
+"""The public Python API: load a target, pick a drafter, generate (one prompt, a batch, or a stream)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+from .drafters.base import Drafter
+from .loop import FixedBudget, Generation, run
+from .sampling import SamplingParams
+
+
+def load_target(name_or_path: str, dtype: str = "float32", progress: bool = True):
+    """A registry name (`specdec models list`), a local HF model directory, or a local .gguf file."""
+    from .models import load_target as _load
+
+    return _load(name_or_path, dtype=dtype, progress=progress)
+
+
+def _budget_policy(target, drafter, gamma):
+    """gamma: an int (fixed draft length / node budget), None (drafter default) or "auto" (cost model)."""
+    if gamma == "auto":
+        from .cost import auto_budget_policy
+
+        return auto_budget_policy(target, drafter)
+    return FixedBudget(None if gamma is None else int(gamma))
+
+
+def generate_batch(
+    target,
+    prompts: Sequence[str | list[int]],
+    drafter: Drafter | None = None,
+    max_new_tokens: int = 128,
+    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    stop: Sequence[str] = (),
+    gamma: int | str | None = None,
+) -> list[Generation]:
+    """Generate for several prompts in one batch (ragged lengths); each result equals the prompt run alone."""
+    prompt_ids = [target.encode_prompt(p) for p in prompts]
+    steps = run(target, prompt_ids, drafter, max_new_tokens, sampling, stop, _budget_policy(target, drafter, gamma))
+    start = time.perf_counter()
+    while True:
+        try:
+            next(steps)
+        except StopIteration as finished:
+            results = finished.value
+            break
+    elapsed = time.perf_counter() - start
+    for result in results:
+        result.stats.time_total_s += elapsed
+    return results
+
+
+def generate(
+    target,
+    prompt: str | list[int],
+    drafter: Drafter | None = None,
+    max_new_tokens: int = 128,
+    sampling: SamplingParams = SamplingParams(),
+    stop: Sequence[str] = (),
+    gamma: int | str | None = None,
+) -> Generation:
+    """Generate one continuation. A list[int] prompt is used verbatim; a str gets the chat template."""
+    return generate_batch(target, [prompt], drafter, max_new_tokens, sampling, stop, gamma)[0]
+
+
+def stream(
+    target,
+    prompt: str | list[int],
+    drafter: Drafter | None = None,
+    max_new_tokens: int = 128,
+    sampling: SamplingParams = SamplingParams(),
+    stop: Sequence[str] = (),
+    gamma: int | str | None = None,
+) -> Iterator[str]:
+    """Yield the text as it is committed (several tokens per step when drafts are accepted).
+
+    The text of the stream concatenates to `generate(...).text` (stop strings are held back
+    until it is clear they do not match)."""
+    prompt_ids = [target.encode_prompt(prompt)]
+    steps = run(target, prompt_ids, drafter, max_new_tokens, sampling, stop, _budget_policy(target, drafter, gamma))
+    output: list[int] = []
+    sent = 0
+    holdback = max((len(s) for s in stop), default=0)
+    while True:
+        try:
+            committed = next(steps)
+        except StopIteration as finished:
+            final = finished.value[0].text
+            if len(final) > sent:
+                yield final[sent:]
+            return
+        output.extend(committed[0])
+        text = target.decode(output)
+        # keep back an incomplete UTF-8 char (U+FFFD) and a possible stop-string prefix
+        safe = len(text.rstrip("\ufffd")) - holdback
+        if safe > sent:
+            yield text[sent:safe]
+            sent = safe

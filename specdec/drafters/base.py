@@ -1,0 +1,96 @@
+"""The one drafter interface and the name -> class registry.
+
+The loop drives a drafter per sequence, in this order:
+
+    drafter.begin(prompt_ids, target)                 # once, before the prefill
+    drafter.on_verified(prefill_result, ctx)          # the prefill's first token
+    loop:
+        draft = drafter.propose(ctx, budget)          # Draft rooted at ctx.tokens[-1]
+        ... one target forward, verify ...
+        drafter.on_verified(result, ctx)              # accepted path + bonus/correction
+
+`ctx.tokens` is every committed token (prompt + output); its last token is the "root": it is
+committed but not yet in the target's KV cache, and `parents == -1` nodes are its children.
+A drafter that needs target hidden states lists their layer indices in `hidden_layers`; the
+loop asks the target for them in the same verify forward and hands the rows that entered
+the cache (the root plus the accepted path; the prompt after prefill) in `ctx.new_hidden`.
+
+Batching: the loop calls `for_sequence()` once per sequence, so per-sequence state (caches,
+tries, indices) never leaks across a batch; heavy shared parts (weights) are shared.
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from ..draft import Draft
+from ..sampling import SamplingParams
+from ..verify import VerifyResult
+
+
+@dataclass
+class DraftContext:
+    tokens: list[int]  # committed tokens of this sequence: prompt + output; tokens[-1] is the root
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    generator: torch.Generator | None = None  # the sequence's seeded generator (draft sampling)
+    new_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n_new, H] rows just cached
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens :]
+
+
+class Drafter(ABC):
+    """Proposes draft tokens (a chain or a tree) for the target to verify."""
+
+    name: ClassVar[str] = ""
+    hidden_layers: tuple[int, ...] = ()  # target hidden layers needed (see specdec.models.base)
+    makes_trees: bool = False
+    default_budget: int = 5  # draft nodes per step when the loop has no cost model
+
+    def for_sequence(self) -> Drafter:
+        """A fresh per-sequence drafter sharing heavy resources; default: a shallow copy."""
+        return copy.copy(self)
+
+    def begin(self, prompt_ids: list[int], target) -> None:
+        """Start a new sequence (reset per-sequence state)."""
+
+    @abstractmethod
+    def propose(self, ctx: DraftContext, budget: int) -> Draft:
+        """Return at most `budget` draft nodes rooted at `ctx.tokens[-1]` (Draft.empty() = none)."""
+
+    def on_verified(self, result: VerifyResult, ctx: DraftContext) -> None:
+        """Learn from the verification: accepted path, correction/bonus token, new hidden rows."""
+
+    def draft_cost_tokens(self) -> float:
+        """Rough draft cost per proposed token in units of one target decode step (cost model prior)."""
+        return 0.0
+
+
+DRAFTERS: dict[str, type[Drafter]] = {}
+
+
+def register_drafter(cls: type[Drafter]) -> type[Drafter]:
+    """Class decorator: make a drafter available to `make_drafter(cls.name, ...)` and the CLI."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a non-empty `name`")
+    if cls.name in DRAFTERS and DRAFTERS[cls.name] is not cls:
+        raise ValueError(f"two drafters are registered as {cls.name!r}")
+    DRAFTERS[cls.name] = cls
+    return cls
+
+
+def make_drafter(name: str, target=None, **options) -> Drafter:
+    """Build a registered drafter by name: `make_drafter("pld", target, max_ngram=3)`."""
+    from . import _load_all
+
+    _load_all()
+    if name not in DRAFTERS:
+        raise ValueError(f"unknown drafter {name!r}; available: {', '.join(sorted(DRAFTERS))}")
+    return DRAFTERS[name](target=target, **options)

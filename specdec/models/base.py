@@ -1,0 +1,80 @@
+"""The Target contract shared by every backend (native Llama family, transformers fallback).
+
+A Target is a causal LM plus its tokenizer:
+
+    target.new_cache(batch_size=1, max_len=...) -> cache with .lengths [B], .truncate(), .keep()
+    target.forward(tokens [B, T], positions [B, T], cache, attn_mask=None, hidden_layers=())
+        -> (logits [B, T, V] float32, {layer: hidden [B, T, H]})
+
+`attn_mask [B, T, T]` (True = may attend) is the mask among the T new tokens (None = causal);
+new tokens always see all cached tokens. Hidden-layer indices follow transformers'
+`output_hidden_states`: 0 = embeddings, i = output of block i, num_layers = after the final norm.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+
+
+class Target(ABC):
+    name: str
+    tokenizer: object
+    config: object
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    dtype: torch.dtype
+    device: torch.device
+    model_dir: Path | None = None
+
+    @abstractmethod
+    def new_cache(self, batch_size: int = 1, max_len: int = 2048): ...
+
+    @abstractmethod
+    def forward(self, tokens, positions, cache, attn_mask=None, hidden_layers=()): ...
+
+    # ---- tokenizer helpers (shared by every backend) ----
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends a generation: the tokenizer's EOS plus generation_config's list."""
+        ids: set[int] = set()
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        gen_eos = getattr(getattr(self, "generation_config", None), "eos_token_id", None)
+        if isinstance(gen_eos, int):
+            ids.add(gen_eos)
+        elif gen_eos:
+            ids.update(int(i) for i in gen_eos)
+        return sorted(ids)
+
+    def encode_prompt(self, prompt: str | list[int] | list[dict]) -> list[int]:
+        """A list[int] is used verbatim; a str (or a list of chat messages) gets the chat template when there is one."""
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        elif isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt)):
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            if isinstance(prompt, str) and not prompt.strip():
+                raise ValueError("prompt is empty: give some text or token ids")
+            if getattr(self.tokenizer, "chat_template", None):
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                    ids = ids["input_ids"]
+                ids = list(ids)
+            else:
+                text = "\n".join(m["content"] for m in messages)
+                ids = self.tokenizer(text)["input_ids"]
+        else:
+            raise TypeError(f"prompt must be str, list[int] or a list of chat messages, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty: give some text or token ids")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

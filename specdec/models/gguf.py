@@ -1,0 +1,268 @@
+"""GGUF file -> HF-format model directory (config.json, model.safetensors, tokenizer files).
+
+Weights: a fast native mapper for the llama and qwen2 architectures (dequantise each tensor
+with `gguf.quants.dequantize`, rename llama.cpp names to HF names, undo llama.cpp's rotary
+permutation of the llama Q/K weights) streamed one tensor at a time into a float32
+safetensors file, so peak memory is one tensor, not the whole model. Any other architecture
+(e.g. gemma3) goes through transformers' own GGUF loader (`load_gguf_checkpoint`), which is
+slower but knows each architecture's quirks.
+
+Config, tokenizer (incl. chat template) and generation config come from transformers' GGUF
+support: that is the reference the converted directory must match.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+CONVERTER_VERSION = 1  # bump when the output of this module changes: cached dirs get rebuilt
+WEIGHTS_FILE = "model.safetensors"
+
+# llama.cpp per-block tensor name -> HF name inside `model.layers.N.`
+BLOCK_TENSOR_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# llama.cpp model-level tensor name -> HF name
+GLOBAL_TENSOR_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_PATTERN = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_GLOBAL_PATTERN = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+
+
+@dataclass(frozen=True)
+class FastArch:
+    """How the native mapper treats one GGUF `general.architecture`."""
+
+    hf_architecture: str  # value for config.architectures
+    permuted_qk: bool  # llama.cpp's converter interleaved the rotary halves of Q and K
+
+
+FAST_ARCHS: dict[str, FastArch] = {
+    "llama": FastArch("LlamaForCausalLM", permuted_qk=True),
+    "qwen2": FastArch("Qwen2ForCausalLM", permuted_qk=False),  # llama.cpp does NOT permute qwen2
+}
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """HF parameter name for a llama.cpp tensor name, or None if the fast mapper doesn't know it."""
+    if match := _BLOCK_PATTERN.match(gguf_name):
+        layer, part, kind = match.groups()
+        hf_part = BLOCK_TENSOR_NAMES.get(part)
+        return None if hf_part is None else f"model.layers.{layer}.{hf_part}.{kind}"
+    if match := _GLOBAL_PATTERN.match(gguf_name):
+        part, kind = match.groups()
+        hf_part = GLOBAL_TENSOR_NAMES.get(part)
+        return None if hf_part is None else f"{hf_part}.{kind}"
+    return None
+
+
+def unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's `permute()` of a llama Q or K weight/bias (rows are [heads * head_dim]).
+
+    llama.cpp reorders each head's rows from HF's "half-split" rotary layout [x0..x_{d/2-1},
+    y0..] to the interleaved [x0, y0, x1, y1, ...]: reshape(heads, 2, d/2).swap(1, 2).
+    The inverse is reshape(heads, d/2, 2).swap(1, 2).
+    """
+    rows = weights.shape[0]
+    half_head_dim = rows // num_heads // 2
+    grouped = weights.reshape(num_heads, half_head_dim, 2, *weights.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(weights.shape)
+
+
+def permute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's own permutation (HF -> GGUF), for tests and for writing llama GGUFs."""
+    rows = weights.shape[0]
+    half_head_dim = rows // num_heads // 2
+    grouped = weights.reshape(num_heads, 2, half_head_dim, *weights.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(weights.shape)
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+def write_safetensors_streaming(
+    path: Path,
+    shapes: dict[str, tuple[int, ...]],
+    produce: Callable[[str], np.ndarray],
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """Write float32 tensors to `path` in safetensors format, producing them one at a time.
+
+    Format: u64 little-endian header size, JSON header {name: {dtype, shape, data_offsets}},
+    then the raw bytes. The header is known up front from the shapes, so no tensor has to wait
+    in memory for the others.
+    """
+    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        size = int(np.prod(shape, dtype=np.int64)) * 4
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # data must start 8-byte aligned
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(header_bytes)))
+        out.write(header_bytes)
+        for name, shape in shapes.items():
+            array = np.ascontiguousarray(produce(name), dtype=np.float32)
+            if tuple(array.shape) != tuple(shape):
+                raise ValueError(f"tensor {name}: produced shape {array.shape}, header says {shape}")
+            out.write(array.tobytes())
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def _field_value(reader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def fast_arch_of(reader) -> FastArch | None:
+    """The FastArch for this file, or None when the native mapper can't cover every tensor."""
+    arch = FAST_ARCHS.get(_field_value(reader, "general.architecture"))
+    if arch is None:
+        return None
+    if any(hf_tensor_name(tensor.name) is None for tensor in reader.tensors):
+        return None  # e.g. rope_freqs: let transformers decide what to do with it
+    return arch
+
+
+def native_tensor_plan(reader) -> tuple[dict[str, tuple[int, ...]], dict[str, Callable[[], np.ndarray]]]:
+    """HF name -> shape, and HF name -> thunk producing the float32 HF tensor (fast archs only)."""
+    from gguf.quants import dequantize
+
+    architecture = _field_value(reader, "general.architecture")
+    arch = FAST_ARCHS[architecture]
+    num_heads = int(_field_value(reader, f"{architecture}.attention.head_count"))
+    num_kv_heads = int(_field_value(reader, f"{architecture}.attention.head_count_kv") or num_heads)
+    heads_for = {"attn_q": num_heads, "attn_k": num_kv_heads}
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    producers: dict[str, Callable[[], np.ndarray]] = {}
+    for tensor in reader.tensors:
+        hf_name = hf_tensor_name(tensor.name)
+        # GGUF lists dims fastest-first (ne0 = in_features); numpy/HF order is the reverse
+        shapes[hf_name] = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        part = tensor.name.split(".")[-2]
+        unpermute_heads = heads_for.get(part) if arch.permuted_qk else None
+
+        def produce(tensor=tensor, shape=shapes[hf_name], unpermute_heads=unpermute_heads) -> np.ndarray:
+            weights = dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32, copy=False)
+            return weights if unpermute_heads is None else unpermute_rotary(weights, unpermute_heads)
+
+        producers[hf_name] = produce
+    return shapes, producers
+
+
+def read_gguf_state_dict(gguf_path: Path | str) -> dict[str, np.ndarray]:
+    """Whole HF state dict (float32 numpy) from a llama/qwen2 GGUF (for tests and inspection)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    if fast_arch_of(reader) is None:
+        raise ValueError(f"{gguf_path}: architecture {_field_value(reader, 'general.architecture')!r} not in the fast mapper ({', '.join(FAST_ARCHS)})")
+    _, producers = native_tensor_plan(reader)
+    return {name: produce() for name, produce in producers.items()}
+
+
+def _transformers_state_dict(gguf_path: Path, config) -> dict[str, np.ndarray]:
+    """Fallback for other architectures: transformers' own GGUF loader (slow, but knows quirks)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):  # only the parameter names are needed, no memory
+        skeleton = AutoModelForCausalLM.from_config(config)
+    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32)
+    expected = set(skeleton.state_dict())
+    tensors = {name: t.float().numpy() for name, t in parsed["tensors"].items() if name in expected}
+    if getattr(config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+    return tensors
+
+
+# ----------------------------------------------------------------------------- directory
+
+
+def _hf_config(gguf_path: Path):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    config.dtype = "float32"
+    config.name_or_path = ""
+    return config
+
+
+def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def _save_generation_config(config, out_dir: Path) -> None:
+    from transformers import GenerationConfig
+
+    GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
+
+
+def convert_gguf_to_hf_dir(gguf_path: Path | str, out_dir: Path | str, progress: bool = True, tokenizer: bool = True) -> Path:
+    """Write config.json, model.safetensors (float32), generation_config.json and tokenizer files.
+
+    `out_dir` must exist (callers build into a temp dir and rename it; see registry.py).
+    """
+    from gguf import GGUFReader
+    from tqdm.auto import tqdm
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    reader = GGUFReader(str(gguf_path))
+    config = _hf_config(gguf_path)
+    arch = fast_arch_of(reader)
+    if arch is not None:
+        config.architectures = [arch.hf_architecture]
+        shapes, producers = native_tensor_plan(reader)
+    else:
+        tensors = _transformers_state_dict(gguf_path, config)
+        shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+        producers = {name: (lambda name=name: tensors.pop(name)) for name in tensors}
+    if "lm_head.weight" not in shapes:
+        config.tie_word_embeddings = True  # no `output` tensor: the head is the embedding
+
+    bar = tqdm(total=len(shapes), unit="tensor", desc=f"converting {gguf_path.name}", disable=not progress)
+
+    def produce(name: str) -> np.ndarray:
+        bar.update(1)
+        return producers[name]()
+
+    with bar:
+        write_safetensors_streaming(out_dir / WEIGHTS_FILE, shapes, produce)
+    config.save_pretrained(str(out_dir))
+    _save_generation_config(config, out_dir)
+    if tokenizer:
+        _save_tokenizer(gguf_path, out_dir)
+    return out_dir
+
+
+def gguf_tensor_names(gguf_path: Path | str) -> Iterable[str]:
+    from gguf import GGUFReader
+
+    return [tensor.name for tensor in GGUFReader(str(gguf_path)).tensors]

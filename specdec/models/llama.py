@@ -1,0 +1,247 @@
+"""Native Llama-family forward: Llama, Mistral, SmolLM (llama arch), Qwen2 (qkv bias), Qwen3 (qk-norm).
+
+One readable file in the spirit of gpt-fast: RMSNorm, rotary embedding, grouped-query
+attention over `KVCache` with an explicit mask (tree attention is just a mask), SwiGLU MLP.
+Parameter names equal transformers' so an HF checkpoint (config.json + safetensors) loads
+as is. Every projection is an `nn.Linear`, so a faster linear kernel can be swapped in
+module by module without touching this file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kv_cache import KVCache
+from .base import Target
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32 like the reference implementation, then cast back
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, qk_norm: bool, qkv_bias: bool):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # Qwen2 has q/k/v biases only; Llama/Qwen3 put `attention_bias` on all four projections
+        o_bias = bool(getattr(cfg, "attention_bias", False)) and cfg.model_type != "qwen2"
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = qk_norm
+
+    def forward(self, x, cos, sin, cache: KVCache, layer_slot: int, mask):
+        batch, num_new, _ = x.shape  # x: [B, T, H]
+        q = self.q_proj(x).view(batch, num_new, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, num_new, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, num_new, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        keys, values = cache.write(layer_slot, k, v)  # [B, H_kv, S, D]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [B, heads, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, qk_norm: bool, qkv_bias: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, qk_norm, qkv_bias)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache, layer_slot, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer_slot, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """`model.*` of the HF checkpoint: embeddings, blocks, final norm."""
+
+    def __init__(self, cfg, qk_norm: bool, qkv_bias: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, qk_norm, qkv_bias) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"native runtime supports {SUPPORTED_MODEL_TYPES}, not {cfg.model_type!r}")
+        qk_norm = cfg.model_type == "qwen3"
+        qkv_bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+        self.config = cfg
+        self.model = Backbone(cfg, qk_norm, qkv_bias)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if getattr(cfg, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        inv_freq, self.attention_scaling = _rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2]
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        attn_mask: torch.Tensor | None = None,
+        hidden_layers: Sequence[int] = (),
+        layer_ids: Sequence[int] | None = None,
+        compute_logits: bool = True,
+    ):
+        """tokens / positions [B, T]; attn_mask [B, T, T] among new tokens or None (causal).
+
+        `layer_ids` runs only a subset of blocks (layer-skip self-drafting); the cache then has
+        one slot per listed block. Returns (logits [B, T, V] float32 or None, {layer: hidden [B, T, H]}).
+        """
+        batch, num_new = tokens.shape
+        cache.check_room(num_new)
+        if attn_mask is None and batch == 1 and num_new == 1:
+            mask = None  # one query sees every committed slot: no mask needed
+        else:
+            mask = cache.attention_mask(num_new, None if attn_mask is None else attn_mask.reshape(batch, num_new, num_new))
+        x = self.model.embed_tokens(tokens)  # [B, T, H]
+        cos, sin = self.rope(positions, x.dtype)
+        wanted = set(hidden_layers)
+        hiddens = {0: x} if 0 in wanted else {}
+        block_ids = range(len(self.model.layers)) if layer_ids is None else layer_ids
+        for slot, layer in enumerate(block_ids):
+            x = self.model.layers[layer](x, cos, sin, cache, slot, mask)
+            if layer + 1 in wanted and layer + 1 != self.config.num_hidden_layers:
+                hiddens[layer + 1] = x
+        cache.advance(num_new)
+        x = self.model.norm(x)
+        if self.config.num_hidden_layers in wanted:
+            hiddens[self.config.num_hidden_layers] = x
+        logits = self.lm_head(x).float() if compute_logits else None  # [B, T, V]
+        return logits, hiddens
+
+
+def _rope_inv_freq(cfg) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies via transformers' own rope table (default, llama3, yarn, ...)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(cfg, "rope_parameters", None) or {"rope_type": "default"}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class NativeTarget(Target):
+    """A Llama-family model on the native runtime, plus its tokenizer."""
+
+    def __init__(self, model: LlamaModel, tokenizer, name: str, model_dir: Path | None = None, generation_config=None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.model_dir = model_dir
+        self.generation_config = generation_config
+        cfg = model.config
+        self.config = cfg
+        self.vocab_size = cfg.vocab_size
+        self.num_layers = cfg.num_hidden_layers
+        self.hidden_size = cfg.hidden_size
+        self.dtype = model.lm_head.weight.dtype
+        self.device = model.lm_head.weight.device
+        attn = model.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+
+    def new_cache(self, batch_size: int = 1, max_len: int = 2048, num_layers: int | None = None) -> KVCache:
+        return KVCache(
+            num_layers or self.num_layers, batch_size, self.num_kv_heads, self.head_dim, max_len, self.dtype, self.device
+        )
+
+    def forward(self, tokens, positions, cache, attn_mask=None, hidden_layers=(), layer_ids=None):
+        return self.model(tokens, positions, cache, attn_mask, hidden_layers, layer_ids)
+
+
+def load_native(model_dir: str | Path, dtype: str | torch.dtype = "float32", name: str | None = None) -> NativeTarget:
+    """Load an HF-format directory (config.json + *.safetensors + tokenizer files) on the native runtime."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    model_dir = Path(model_dir)
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    cfg = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    state = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(shard))
+    if not state:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    if getattr(cfg, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    state = {key: tensor.to(torch_dtype) for key, tensor in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint in {model_dir} does not fit {cfg.model_type}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if getattr(cfg, "tie_word_embeddings", False):
+        model.lm_head.weight = model.model.embed_tokens.weight
+    inv_freq, model.attention_scaling = _rope_inv_freq(cfg)
+    model.inv_freq = inv_freq
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        gen_cfg = GenerationConfig.from_pretrained(model_dir)
+    except OSError:
+        gen_cfg = None
+    spec_file = model_dir / "specdec.json"
+    display = name or (json.loads(spec_file.read_text()).get("name") if spec_file.exists() else None) or model_dir.name
+    return NativeTarget(model, tokenizer, display, model_dir, gen_cfg)

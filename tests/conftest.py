@@ -1,0 +1,70 @@
+"""Shared fixtures. OMP_WAIT_POLICY must be set before torch is imported (see DESIGN.md)."""
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def _tiny_config(model_type: str, **overrides):
+    from transformers import AutoConfig
+
+    base = dict(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )
+    if model_type == "qwen3":
+        base["head_dim"] = 16
+    base.update(overrides)
+    return AutoConfig.for_model(model_type, **base)
+
+
+def make_tiny_hf_dir(path, model_type: str = "llama", seed: int = 0, **overrides):
+    """A randomly initialised transformers model saved as an HF directory (config + safetensors + tokenizer)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = _tiny_config(model_type, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # random init is tiny-std: scale up so logits are not flat and argmax ties are unlikely
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0, 0.2)
+            elif "norm" not in str(param.shape):
+                param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(path)
+    _write_byte_tokenizer(path, cfg.vocab_size)
+    return path, model.eval()
+
+
+def _write_byte_tokenizer(path, vocab_size: int):
+    """A tiny real tokenizer (character level over printable ASCII) so tiny models have a tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 32 + vocab_size - 2)]
+    vocab = {"<s>": 0, "</s>": 1, **{ch: i + 2 for i, ch in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="</s>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="</s>")
+    fast.save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """name -> (hf_dir, transformers model) for tiny random Llama / Qwen2 / Qwen3 models."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {mt: make_tiny_hf_dir(root / mt, mt, seed=i) for i, mt in enumerate(("llama", "qwen2", "qwen3"))}
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_dirs):
+    from specdec.models.llama import load_native
+
+    return load_native(tiny_dirs["llama"][0], name="tiny-llama")
