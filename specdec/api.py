@@ -6,7 +6,8 @@ import time
 from collections.abc import Iterator, Sequence
 
 from .drafters.base import Drafter
-from .loop import FixedBudget, Generation, run
+from .budget import FixedBudget, auto_budget_policy
+from .loop import Generation, run
 from .sampling import SamplingParams
 
 
@@ -19,11 +20,9 @@ def load_target(name_or_path: str, dtype: str = "float32", progress: bool = True
 
 def _budget_policy(target, drafter, gamma):
     """gamma: an int (fixed draft length / node budget), None (drafter default) or "auto" (cost model)."""
-    if gamma == "auto":
-        from .cost import auto_budget_policy
-
+    if gamma == "auto" and drafter is not None:
         return auto_budget_policy(target, drafter)
-    return FixedBudget(None if gamma is None else int(gamma))
+    return FixedBudget(None if gamma in (None, "auto") else int(gamma))
 
 
 def generate_batch(

@@ -8,7 +8,7 @@ Budget choosers maximise expected tokens per second for the coming step:
 
     chain:  argmax_g  E[tau](g) / (g * draft_ms_per_token + T(other + g + 1))
             E[tau](g) = 1 + sum_{d=1..g} prod_{j<=d} a_j
-    tree:   argmax_n  (1 + sum_{i<n} score_i) / (draft_ms + n * draft_ms_per_node + T(other + n + 1))
+    tree:   argmax_n  (1 + sum_{i<n} score_i) / (draft_ms + n * per_node_ms + T(other + n + 1))
     batch:  argmax_n  (R + S_n) / (n * draft_ms + T(R + n)), S_n = the n best scores of all requests
 
 Non-anticipation (DESIGN.md): for SAMPLED proposals the chosen budget must be a function of
@@ -175,7 +175,8 @@ def measure_cost_table(
         raise ValueError(f"ks must be non-empty integers >= 1, got {ks}")
     if prefix_len < 1 or repeats < 1 or warmup < 0:
         raise ValueError(
-            f"need prefix_len >= 1, repeats >= 1, warmup >= 0; got {prefix_len}, {repeats}, {warmup}"
+            "need prefix_len >= 1, repeats >= 1, warmup >= 0; "
+            f"got {prefix_len}, {repeats}, {warmup}"
         )
     from tqdm.auto import tqdm
 
@@ -291,7 +292,8 @@ def choose_chain_length(
     expected_tokens = 1.0
     for length, score in enumerate(path_scores, start=1):
         expected_tokens += score
-        rate = expected_tokens / (length * draft_ms_per_token + cost.t(batch_tokens_other + length + 1))
+        spent_ms = length * draft_ms_per_token + cost.t(batch_tokens_other + length + 1)
+        rate = expected_tokens / spent_ms
         if rate > best_rate:
             best_length, best_rate = length, rate
     return best_length
@@ -469,7 +471,9 @@ def _parse_ks(text: str) -> list[int]:
     try:
         ks = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise ValueError(f"--ks must be comma-separated integers like 1,2,4,8, got {text!r}") from None
+        raise ValueError(
+            f"--ks must be comma-separated integers like 1,2,4,8, got {text!r}"
+        ) from None
     if not ks or min(ks) < 1:
         raise ValueError(f"--ks needs integers >= 1, got {text!r}")
     return ks

@@ -18,11 +18,12 @@ plain" compares two runs of one code path that differ only in the draft.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from .budget import FixedBudget
 from .draft import Draft
 from .drafters.base import DraftContext, Drafter
 from .sampling import SamplingParams, make_generator, sample_from_probs, warp_logits_to_probs
@@ -47,7 +48,6 @@ class _Sequence:
     stop_strings: tuple[str, ...]
     finish_reason: str | None = None
     stop_text_cut: int | None = None  # output text length at which a stop string starts
-    accept_history: list[tuple[int, int]] = field(default_factory=list)  # (drafted depth, accepted)
 
     @property
     def done(self) -> bool:
@@ -56,21 +56,6 @@ class _Sequence:
     @property
     def generated(self) -> int:
         return len(self.ctx.tokens) - self.ctx.num_prompt_tokens
-
-
-class FixedBudget:
-    """Draft exactly `gamma` nodes per step (the drafter's default when gamma is None)."""
-
-    def __init__(self, gamma: int | None = None):
-        if gamma is not None and gamma < 0:
-            raise ValueError(f"gamma must be >= 0, got {gamma}")
-        self.gamma = gamma
-
-    def budget(self, seq: _Sequence, num_active: int) -> int:
-        return seq.drafter.default_budget if self.gamma is None else self.gamma
-
-
-BudgetPolicy = Callable  # anything with .budget(seq, num_active) -> int
 
 
 def run(
@@ -101,7 +86,7 @@ def run(
         if seq_drafter is not None:
             seq_drafter.begin(list(prompt), target)
         seqs.append(_Sequence(ctx, seq_drafter, SpecStats(), max_new_tokens, tuple(s for s in stop if s)))
-    max_budget = max((policy_cap(policy, s) for s in seqs), default=0)
+    max_budget = max((policy.max_budget(s) for s in seqs), default=0)
     cache = target.new_cache(len(seqs), max(len(p) for p in prompts) + max_new_tokens + max_budget + 2)
 
     # 0. prefill (ragged prompts, right-padded; padding slots are dropped by truncate)
@@ -154,10 +139,12 @@ def run(
                 new_tokens = _commit(seq, result.tokens, target, eos_ids)
             max_depth = int(draft.depths.max()) if len(draft) else 0
             seq.stats.record_step(len(draft), result.num_accepted, len(new_tokens), max_depth)
-            seq.accept_history.append((max_depth, result.num_accepted))
+            policy.observe(seq, max_depth, result.num_accepted)
             committed[row] = new_tokens
             if seq.drafter is not None and not seq.done:
                 seq.ctx.new_hidden = {layer: h[row, kept] for layer, h in hiddens.items()}
+                if seq.drafter.wants_node_logits:
+                    seq.ctx.all_node_logits = logits[row, : len(draft) + 1]
                 with seq.stats.timer("draft"):
                     seq.drafter.on_verified(result, seq.ctx)
         finished_before = [row for row in range(len(seqs)) if row not in drafts]
@@ -168,13 +155,6 @@ def run(
         yield committed
 
     return [_finish(seq, target) for seq in seqs]
-
-
-def policy_cap(policy, seq: _Sequence) -> int:
-    """Largest budget a policy may ask for (sizes the KV cache)."""
-    if hasattr(policy, "max_budget"):
-        return policy.max_budget(seq)
-    return policy.budget(seq, 1) if seq.drafter is not None else 0
 
 
 def _propose(seq: _Sequence, policy, num_active: int) -> Draft:

@@ -124,7 +124,9 @@ def tree_expected_tau(parents: Sequence[int], node_accept_probs: Sequence[float]
     sibling_sum: dict[int, float] = {}
     for node, (parent, prob) in enumerate(zip(parents, probs)):
         if not -1 <= parent < num_nodes or parent == node:
-            raise ValueError(f"node {node} has invalid parent {parent} (allowed: -1..{num_nodes - 1})")
+            raise ValueError(
+                f"node {node} has invalid parent {parent} (allowed: -1..{num_nodes - 1})"
+            )
         if not 0.0 <= prob <= 1.0:
             raise ValueError(f"node {node} acceptance probability {prob} is not in [0, 1]")
         sibling_sum[parent] = sibling_sum.get(parent, 0.0) + prob
@@ -246,6 +248,7 @@ def add_theory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 def run_theory(args: argparse.Namespace, out=None) -> int:
     """Print E[tau], speedup and the optimal gamma per alpha; returns the exit code."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     out = out if out is not None else sys.stdout
@@ -262,7 +265,7 @@ def run_theory(args: argparse.Namespace, out=None) -> int:
     by_cell = {(row["alpha"], row["gamma"]): row for row in rows}
     for metric, title in (("tau", "E[tau] tokens per target forward"),
                           ("speedup", f"expected speedup (c={args.c})")):
-        table = Table(title=title)
+        table = Table(title=escape(title))  # "[tau]" is not markup
         table.add_column("alpha", justify="right")
         for gamma in gammas:
             table.add_column(f"g={gamma}", justify="right")

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.draft import Draft
-from specdec.sampling import sample_from_probs
+from specdec.sampling import sample_token
 
 # A residual with less mass than this exists only through float error (the rejection that led
 # to it had at most this probability), so we fall back to the distribution it came from.
@@ -120,10 +120,6 @@ def _is_accepted(probability: float, generator: torch.Generator | None) -> bool:
     return float(uniform) < probability
 
 
-def _sample_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(sample_from_probs(probs, generator))
-
-
 def _check_target_probs(target_probs: torch.Tensor, num_nodes: int, draft_probs: torch.Tensor | None) -> None:
     if target_probs.dim() != 2 or target_probs.shape[0] != num_nodes + 1:
         raise ValueError(
@@ -182,10 +178,10 @@ def verify_chain(
             continue
         draft_row = None if draft_probs is None else draft_probs[position].to(target_probs.device)
         residual = residual_distribution(target_probs[position], draft_row, tokens[position])  # [V]
-        emitted.append(_sample_token(residual, generator))  # correction
+        emitted.append(sample_token(residual, generator))  # correction
         return VerifyResult(tokens=emitted, num_accepted=position, path=list(range(position)))
 
-    emitted.append(_sample_token(target_probs[num_draft], generator))  # bonus
+    emitted.append(sample_token(target_probs[num_draft], generator))  # bonus
     return VerifyResult(tokens=emitted, num_accepted=num_draft, path=list(range(num_draft)))
 
 
@@ -209,7 +205,7 @@ def verify_tree(draft: Draft, target_probs: torch.Tensor, generator: torch.Gener
         current = target_probs[node + 1]  # [V] fresh target row of the current node
         candidates = children[node + 1]
         if not candidates:
-            emitted.append(_sample_token(current, generator))  # bonus
+            emitted.append(sample_token(current, generator))  # bonus
             break
         for child in candidates:
             draft_row = None if draft_probs is None else draft_probs[child]  # [V]
@@ -221,6 +217,6 @@ def verify_tree(draft: Draft, target_probs: torch.Tensor, generator: torch.Gener
                 break
             current = residual_distribution(current, draft_row, tokens[child])  # [V]
         else:
-            emitted.append(_sample_token(current, generator))  # correction
+            emitted.append(sample_token(current, generator))  # correction
             break
     return VerifyResult(tokens=emitted, num_accepted=len(path), path=path)

@@ -68,3 +68,11 @@ def tiny_target(tiny_dirs):
     from specdec.models.llama import load_native
 
     return load_native(tiny_dirs["llama"][0], name="tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct (installed from PyPI and converted once into the cache)."""
+    from specdec import load_target
+
+    return load_target("smollm2-135m", progress=False)

@@ -40,6 +40,9 @@ class DraftContext:
     sampling: SamplingParams
     generator: torch.Generator | None = None  # the sequence's seeded generator (draft sampling)
     new_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n_new, H] rows just cached
+    # target logits [N + 1, V] of the last verify forward (root + every draft node, accepted or not);
+    # only filled for drafters with `wants_node_logits = True` (Lookahead harvests n-grams from them)
+    all_node_logits: torch.Tensor | None = None
 
     @property
     def output_tokens(self) -> list[int]:
@@ -52,6 +55,7 @@ class Drafter(ABC):
     name: ClassVar[str] = ""
     hidden_layers: tuple[int, ...] = ()  # target hidden layers needed (see specdec.models.base)
     makes_trees: bool = False
+    wants_node_logits: bool = False  # ask the loop for ctx.all_node_logits after each verify
     default_budget: int = 5  # draft nodes per step when the loop has no cost model
 
     def for_sequence(self) -> Drafter:

@@ -18,7 +18,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import numpy as np
 
@@ -51,13 +51,12 @@ _GLOBAL_PATTERN = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 class FastArch:
     """How the native mapper treats one GGUF `general.architecture`."""
 
-    hf_architecture: str  # value for config.architectures
     permuted_qk: bool  # llama.cpp's converter interleaved the rotary halves of Q and K
 
 
 FAST_ARCHS: dict[str, FastArch] = {
-    "llama": FastArch("LlamaForCausalLM", permuted_qk=True),
-    "qwen2": FastArch("Qwen2ForCausalLM", permuted_qk=False),  # llama.cpp does NOT permute qwen2
+    "llama": FastArch(permuted_qk=True),
+    "qwen2": FastArch(permuted_qk=False),  # llama.cpp does NOT permute qwen2
 }
 
 
@@ -181,7 +180,7 @@ def read_gguf_state_dict(gguf_path: Path | str) -> dict[str, np.ndarray]:
     if fast_arch_of(reader) is None:
         raise ValueError(f"{gguf_path}: architecture {_field_value(reader, 'general.architecture')!r} not in the fast mapper ({', '.join(FAST_ARCHS)})")
     _, producers = native_tensor_plan(reader)
-    return {name: produce() for name, produce in producers.items()}
+    return {name: np.array(produce(), copy=True) for name, produce in producers.items()}  # own memory, not the mmap
 
 
 def _transformers_state_dict(gguf_path: Path, config) -> dict[str, np.ndarray]:
@@ -206,7 +205,11 @@ def _transformers_state_dict(gguf_path: Path, config) -> dict[str, np.ndarray]:
 def _hf_config(gguf_path: Path):
     from transformers import AutoConfig
 
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:  # e.g. mistral files say "llama"
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     config.dtype = "float32"
     config.name_or_path = ""
     return config
@@ -225,10 +228,12 @@ def _save_generation_config(config, out_dir: Path) -> None:
     GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
 
 
-def convert_gguf_to_hf_dir(gguf_path: Path | str, out_dir: Path | str, progress: bool = True, tokenizer: bool = True) -> Path:
+def convert_gguf_to_hf_dir(gguf_path: Path | str, out_dir: Path | str, progress: bool = True,
+                           tokenizer: bool = True, fast: bool = True) -> Path:
     """Write config.json, model.safetensors (float32), generation_config.json and tokenizer files.
 
     `out_dir` must exist (callers build into a temp dir and rename it; see registry.py).
+    `fast=False` forces transformers' loader even for llama/qwen2 (a cross-check / escape hatch).
     """
     from gguf import GGUFReader
     from tqdm.auto import tqdm
@@ -236,9 +241,8 @@ def convert_gguf_to_hf_dir(gguf_path: Path | str, out_dir: Path | str, progress:
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = GGUFReader(str(gguf_path))
     config = _hf_config(gguf_path)
-    arch = fast_arch_of(reader)
+    arch = fast_arch_of(reader) if fast else None
     if arch is not None:
-        config.architectures = [arch.hf_architecture]
         shapes, producers = native_tensor_plan(reader)
     else:
         tensors = _transformers_state_dict(gguf_path, config)
@@ -261,8 +265,3 @@ def convert_gguf_to_hf_dir(gguf_path: Path | str, out_dir: Path | str, progress:
         _save_tokenizer(gguf_path, out_dir)
     return out_dir
 
-
-def gguf_tensor_names(gguf_path: Path | str) -> Iterable[str]:
-    from gguf import GGUFReader
-
-    return [tensor.name for tensor in GGUFReader(str(gguf_path)).tensors]

@@ -406,22 +406,30 @@ def _is_complete(model_dir: Path, sha256: str | None) -> bool:
     return marker.get("converter_version") == CONVERTER_VERSION and (sha256 is None or marker.get("source_sha256") == sha256)
 
 
+def write_marker(model_dir: Path, name: str, source_sha256: str, source_gguf: str = "") -> None:
+    """Write specdec.json (last step of a conversion): source hash, converter version, weight sizes."""
+    from specdec.models.gguf import CONVERTER_VERSION
+
+    marker = {
+        "name": name,
+        "source_gguf": source_gguf,
+        "source_sha256": source_sha256,
+        "converter_version": CONVERTER_VERSION,
+        "file_sizes": {p.name: p.stat().st_size for p in Path(model_dir).glob("*.safetensors")},
+    }
+    (Path(model_dir) / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+
+
 def convert_into_cache(gguf_path: Path, model_dir: Path, source_sha256: str, name: str, progress: bool = True) -> Path:
     """Convert a GGUF into `model_dir` atomically: build in a temp sibling dir, then rename."""
-    from specdec.models.gguf import CONVERTER_VERSION, convert_gguf_to_hf_dir
+    from specdec.models.gguf import convert_gguf_to_hf_dir
 
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     temp_dir = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", suffix=".tmp", dir=model_dir.parent))
+    temp_dir.chmod(0o755)  # mkdtemp makes it private; a model cache is ordinary shared data
     try:
         convert_gguf_to_hf_dir(gguf_path, temp_dir, progress=progress)
-        marker = {
-            "name": name,
-            "source_gguf": str(gguf_path),
-            "source_sha256": source_sha256,
-            "converter_version": CONVERTER_VERSION,
-            "file_sizes": {p.name: p.stat().st_size for p in temp_dir.glob("*.safetensors")},
-        }
-        (temp_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+        write_marker(temp_dir, name, source_sha256, source_gguf=str(gguf_path))
         if model_dir.exists():  # incomplete or outdated entry (complete ones never get here)
             _remove_tree(model_dir)
         try:

@@ -1,0 +1,208 @@
+"""`specdec generate | models | drafters | theory | profile | bench | datastore | serve | train`."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported (DESIGN.md, machine facts)
+
+import argparse  # noqa: E402
+import importlib  # noqa: E402
+import importlib.util  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import typing  # noqa: E402
+
+DEFAULT_MODEL = "smollm2-135m"
+
+# subcommand -> (module, function adding its arguments to a subparser, function running it).
+# Each feature owns its arguments; the CLI only routes.
+SUBCOMMANDS = {
+    "theory": ("specdec.theory", "add_theory_arguments", "run_theory", "E[tau], speedup and optimal gamma tables"),
+    "profile": ("specdec.cli", "add_profile_arguments", "cmd_profile", "measure the target's step-cost table T(k)"),
+    "bench": ("specdec.bench.runner", "add_bench_arguments", "run_bench", "Spec-Bench: methods x task kinds, with peers"),
+    "serve": ("specdec.server.app", "add_serve_arguments", "run_serve", "OpenAI-compatible HTTP server"),
+    "train": ("specdec.train.cli", "add_train_arguments", "run_train", "train drafter heads (medusa, mtp)"),
+}
+
+
+def _parse_option_value(raw: str, annotation):
+    """Convert a --drafter-arg value using the drafter constructor's type annotation."""
+    kinds = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    if bool in kinds:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected true/false, got {raw!r}")
+    for kind in (int, float):
+        if kind in kinds:
+            return kind(raw)
+    if list in kinds or any(typing.get_origin(k) is list for k in kinds):
+        return [int(v) for v in raw.split(",") if v]
+    return raw
+
+
+def drafter_options(name: str, pairs: list[str]) -> dict:
+    from .drafters import DRAFTERS, _load_all
+
+    _load_all()
+    if name not in DRAFTERS:
+        raise ValueError(f"unknown drafter {name!r}; available: {', '.join(sorted(DRAFTERS))}")
+    cls = DRAFTERS[name]
+    hints = typing.get_type_hints(cls.__init__)
+    params = inspect.signature(cls.__init__).parameters
+    options = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        key = key.replace("-", "_")
+        if not sep or key not in params or key in ("self", "target"):
+            allowed = [p for p in params if p not in ("self", "target")]
+            raise ValueError(f"--drafter-arg {pair!r}: {name} takes KEY=VALUE with KEY in {allowed}")
+        options[key] = _parse_option_value(raw, hints.get(key, str))
+    return options
+
+
+def _load_target_with_status(name: str, dtype: str):
+    from rich.console import Console
+
+    from .api import load_target
+
+    console = Console(stderr=True)
+    start = time.perf_counter()
+    with console.status(f"loading {name} ..."):
+        target = load_target(name, dtype=dtype)
+    console.print(f"[dim]loaded {target.name} ({target.num_layers} layers, vocab {target.vocab_size}) in {time.perf_counter() - start:.1f}s[/dim]")
+    return target
+
+
+def cmd_generate(args) -> int:
+    from .api import generate, stream
+    from .drafters import make_drafter
+    from .sampling import SamplingParams
+
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    options = drafter_options(args.drafter, args.drafter_arg) if args.drafter else {}
+    target = _load_target_with_status(args.model, args.dtype)
+    drafter = make_drafter(args.drafter, target, **options) if args.drafter else None
+    gamma = args.gamma if args.gamma in (None, "auto") else int(args.gamma)
+    prompt = args.prompt
+    if args.stream:
+        for piece in stream(target, prompt, drafter, args.max_new_tokens, sampling, args.stop, gamma):
+            print(piece, end="", flush=True)
+        print()
+        return 0
+    result = generate(target, prompt, drafter, args.max_new_tokens, sampling, args.stop, gamma)
+    if args.json:
+        print(json.dumps({"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
+                          "stats": result.stats.to_dict()}))
+        return 0
+    print(result.text)
+    tps = result.stats.tokens_per_second
+    print(f"\n[{len(result.tokens)} tokens, {tps:.1f} tokens/s, tau {result.stats.tau:.2f}, {result.finish_reason}]",
+          file=sys.stderr)
+    if args.stats:
+        print(result.stats.summary_table(), file=sys.stderr)
+    return 0
+
+
+def add_profile_arguments(parser) -> None:
+    from .cost import add_profile_arguments as add
+
+    add(parser)
+
+
+def cmd_profile(args) -> int:
+    from .api import load_target
+    from .cost import run_profile
+
+    return run_profile(args, load_target)
+
+
+def cmd_drafters(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .drafters import DRAFTERS, _load_all
+
+    _load_all()
+    table = Table(title="drafters (use --drafter NAME --drafter-arg KEY=VALUE)")
+    table.add_column("name")
+    table.add_column("trees")
+    table.add_column("options (defaults)")
+    for name, cls in sorted(DRAFTERS.items()):
+        params = inspect.signature(cls.__init__).parameters.values()
+        opts = ", ".join(
+            f"{p.name}={p.default!r}"
+            for p in params
+            if p.name not in ("self", "target") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        )
+        table.add_row(name, "yes" if cls.makes_trees else "opt" if "tree" in opts else "no", opts)
+    Console().print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text (plain or speculative)")
+    gen.add_argument("prompt", help="the user message (the chat template is applied when the model has one)")
+    gen.add_argument("--model", default=DEFAULT_MODEL, help="registry name, HF model directory, or .gguf file")
+    gen.add_argument("--drafter", default=None, help="drafter name (see `specdec drafters`); none = plain decoding")
+    gen.add_argument("--drafter-arg", action="append", default=[], metavar="KEY=VALUE", help="drafter option")
+    gen.add_argument("--gamma", default=None, help="draft length / node budget per step: an int, or 'auto' (cost model)")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    gen.add_argument("--stats", action="store_true", help="print speculative statistics")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats)")
+    gen.set_defaults(func=cmd_generate)
+
+    from .models.registry import add_models_arguments, run_models
+
+    models = add_models_arguments(sub)
+    models.set_defaults(func=run_models)
+
+    drafters = sub.add_parser("drafters", help="list drafters and their options")
+    drafters.set_defaults(func=cmd_drafters)
+
+    if importlib.util.find_spec("specdec.datastore") is not None:
+        from .datastore import add_datastore_arguments, run_datastore
+
+        add_datastore_arguments(sub).set_defaults(func=run_datastore)
+
+    for name, (module_name, add_fn, run_fn, help_text) in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as missing:
+            if missing.name and module_name.startswith(missing.name):
+                continue  # this feature is not part of the build yet
+            raise
+        command = sub.add_parser(name, help=help_text)
+        getattr(module, add_fn)(command)
+        command.set_defaults(func=getattr(module, run_fn))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"specdec: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,459 @@
+"""Model-based drafting: an autoregressive draft LM with its own KV cache (`small-model`).
+
+Two pieces, shared with `layer-skip` (drafters/layer_skip.py):
+
+* `DraftLM` — a causal LM run one token per forward over its OWN KV cache, which follows the
+  committed tokens: before every proposal the cache is cut to the longest common prefix with
+  `ctx.tokens` and the missing committed tokens (always including the root `ctx.tokens[-1]`) are
+  fed in ONE forward, whose last row gives the first draft distribution. Rejected draft tokens
+  are thereby rolled back, accepted ones are never re-fed.
+* `ModelDrafter` — chain and tree drafting over a `DraftLM`:
+    - chain, temperature 0: the argmax chain, a deterministic proposal (draft_probs None);
+    - chain, temperature > 0: every token is SAMPLED from q = warp(draft logits) with the
+      sequence's generator and its q row is returned (lossless rejection sampling);
+    - tree (SpecInfer-style top-k expansion, deterministic): a beam over depths; at each depth the
+      `tree_beam` best nodes (by cumulative draft log-probability) get their `tree_topk` best
+      children from ONE draft forward under a tree attention mask; the `budget` best nodes overall
+      form the tree (children always score <= their parent, so the best-n set is a tree).
+
+`small-model` drafts with an independent smaller model that shares the target's tokenizer
+(default pair: qwen2.5-coder-1.5b target, qwen2.5-coder-0.5b draft).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..draft import Draft
+from ..kv_cache import KVCache
+from ..models.base import Target
+from ..sampling import sample_from_probs, warp_logits_to_probs
+from .base import DraftContext, Drafter, register_drafter
+
+# forward(tokens [1, T], positions [1, T], cache, attn_mask [1, T, T] | None) -> logits [1, T, V_draft]
+DraftForward = Callable[[torch.Tensor, torch.Tensor, object, torch.Tensor | None], torch.Tensor]
+
+DEFAULT_DRAFT_MODEL = "qwen2.5-coder-0.5b"
+_CACHE_HEADROOM = 32  # extra slots beyond prompt + one step, before the first (doubling) growth
+
+
+def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    limit = min(len(a), len(b))
+    index = 0
+    while index < limit and a[index] == b[index]:
+        index += 1
+    return index
+
+
+def _check_positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+class DraftLM:
+    """A causal LM used autoregressively for drafting, with its own KV cache (batch 1).
+
+    `forward` / `new_cache(max_len)` come from the backing model (a separate small model, or the
+    target's first layers). Logits come back in the TARGET's vocabulary of `vocab_size` ids:
+    sliced when the draft head is larger (padding rows), -inf padded when it is smaller.
+
+    Cache layout: slots [0, len(tokens)) hold `tokens`, a real prefix of the sequence (positions
+    = slot index). Tree drafting may write extra node slots after them (`run_nodes`); they are
+    dropped by `drop_nodes()` / `sync()` unless adopted as a chain (`adopt_nodes`).
+    """
+
+    def __init__(self, forward: DraftForward, new_cache: Callable[[int], object], vocab_size: int, capacity: int):
+        self._forward, self._new_cache = forward, new_cache
+        self.vocab_size = vocab_size
+        self.capacity = max(1, int(capacity))
+        self.cache = new_cache(self.capacity)
+        self.tokens: list[int] = []  # tokens whose K/V fill the first slots, in sequence order
+        self.next_logits: torch.Tensor | None = None  # [V] after tokens[-1], when known
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.cache.lengths[0])
+
+    # ------------------------------------------------------------------ cache management
+    def ensure_capacity(self, needed: int) -> None:
+        """Grow the cache (doubling) so it holds at least `needed` slots; call before tree slots exist."""
+        if needed <= self.capacity:
+            return
+        self.drop_nodes()
+        new_capacity = max(2 * self.capacity, needed)
+        old = self.cache
+        self.cache = self._new_cache(new_capacity)
+        self.capacity = new_capacity
+        kept = len(self.tokens)
+        if isinstance(old, KVCache) and isinstance(self.cache, KVCache):  # native cache: copy the slots
+            for layer in range(old.num_layers):
+                self.cache.keys[layer][:, :, :kept] = old.keys[layer][:, :, :kept]
+                self.cache.values[layer][:, :, :kept] = old.values[layer][:, :, :kept]
+            self.cache.lengths = old.lengths.clone()
+        elif kept:  # any other cache type: recompute the prefix in one forward
+            replay, self.tokens = self.tokens, []
+            self.extend(replay)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep only the first `num_tokens` sequence tokens (drops tree node slots too)."""
+        if num_tokens < len(self.tokens):
+            self.next_logits = None
+        self.tokens = self.tokens[:num_tokens]
+        self.cache.truncate(num_tokens)
+
+    def drop_nodes(self) -> None:
+        """Forget tree node slots written after the sequence tokens."""
+        if self.num_slots > len(self.tokens):
+            self.cache.truncate(len(self.tokens))
+
+    def keep_nodes(self, num_nodes: int) -> None:
+        """Keep the first `num_nodes` tree node slots after the sequence tokens."""
+        self.cache.truncate(len(self.tokens) + num_nodes)
+
+    def adopt_nodes(self, chain_tokens: list[int], next_logits: torch.Tensor) -> None:
+        """The node slots hold exactly `chain_tokens` as a plain continuation: make them sequence tokens."""
+        if self.num_slots != len(self.tokens) + len(chain_tokens):
+            raise RuntimeError("adopt_nodes: node slots do not match the given chain")
+        self.tokens += chain_tokens
+        self.next_logits = next_logits
+
+    # ------------------------------------------------------------------ forwards
+    def _run(self, tokens: Sequence[int], positions: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """One forward over new tokens; returns logits [T, V] in the target vocabulary."""
+        if self.num_slots + len(tokens) > self.capacity:
+            raise RuntimeError(
+                f"draft cache overflow ({self.num_slots} + {len(tokens)} > {self.capacity}); ensure_capacity() first"
+            )
+        token_tensor = torch.tensor([list(tokens)], dtype=torch.long)  # [1, T]
+        mask = None if attn_mask is None else attn_mask[None]  # [1, T, T]
+        logits = self._forward(token_tensor, positions[None], self.cache, mask)[0].float()  # [T, V_draft]
+        draft_vocab = logits.shape[-1]
+        if draft_vocab > self.vocab_size:  # padded draft head: the extra ids are no tokens
+            logits = logits[:, : self.vocab_size]
+        elif draft_vocab < self.vocab_size:  # smaller draft head: ids it lacks get probability 0
+            padding = logits.new_full((logits.shape[0], self.vocab_size - draft_vocab), -math.inf)
+            logits = torch.cat([logits, padding], dim=-1)
+        return logits  # [T, V]
+
+    def extend(self, new_tokens: Sequence[int]) -> torch.Tensor:
+        """Append tokens to the sequence (causal) in one forward; returns their logits [T, V]."""
+        self.drop_nodes()
+        start = len(self.tokens)
+        positions = torch.arange(start, start + len(new_tokens))  # [T]
+        logits = self._run(new_tokens, positions, None)
+        self.tokens += list(new_tokens)
+        self.next_logits = logits[-1]
+        return logits
+
+    def run_nodes(self, tokens: Sequence[int], positions: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        """Write tree nodes after the current slots (they see every slot before them and, among
+        themselves, what attn_mask [T, T] allows); returns their logits [T, V]."""
+        return self._run(tokens, positions, attn_mask)
+
+    def sync(self, committed: list[int]) -> torch.Tensor:
+        """Make the cache hold exactly `committed` and return the draft logits [V] after its last token.
+
+        Cuts the cache to the longest common prefix, then feeds the missing tokens (at least the
+        last one, whose logits are needed) in one forward.
+        """
+        if not committed:
+            raise ValueError("cannot draft without committed tokens")
+        self.drop_nodes()
+        common = _common_prefix_length(self.tokens, committed)
+        if common == len(committed) == len(self.tokens) and self.next_logits is not None:
+            return self.next_logits
+        keep = min(common, len(committed) - 1)
+        self.truncate(keep)
+        return self.extend(committed[keep:])[-1]
+
+
+class ModelDrafter(Drafter):
+    """Chain / tree drafting with an autoregressive `DraftLM`; subclasses say which model runs.
+
+    Subclasses implement `_new_draft_lm(capacity) -> DraftLM` (one per sequence) and set
+    `self._cost_tokens` (draft cost per token in target decode steps).
+    """
+
+    def __init__(
+        self,
+        gamma: int = 4,
+        tree: bool = False,
+        tree_nodes: int = 8,
+        tree_depth: int = 4,
+        tree_topk: int = 3,
+        tree_beam: int = 1,
+    ):
+        self.gamma = _check_positive_int(gamma, "gamma")
+        if not isinstance(tree, bool):
+            raise ValueError(f"tree must be true or false, got {tree!r}")
+        self.tree = tree
+        self.tree_nodes = _check_positive_int(tree_nodes, "tree_nodes")
+        self.tree_depth = _check_positive_int(tree_depth, "tree_depth")
+        self.tree_topk = _check_positive_int(tree_topk, "tree_topk")
+        self.tree_beam = _check_positive_int(tree_beam, "tree_beam")
+        self.makes_trees = tree
+        self.default_budget = tree_nodes if tree else gamma
+        self._cost_tokens = 0.0
+        self.lm: DraftLM | None = None
+
+    def _new_draft_lm(self, capacity: int) -> DraftLM:
+        raise NotImplementedError
+
+    def draft_cost_tokens(self) -> float:
+        return self._cost_tokens
+
+    def begin(self, prompt_ids, target) -> None:
+        # a fresh cache per sequence (for_sequence copies share the model, never the cache)
+        self.lm = self._new_draft_lm(len(prompt_ids) + self._step_slots(self.default_budget) + _CACHE_HEADROOM)
+
+    def _step_slots(self, budget: int) -> int:
+        """Cache slots one proposal may write beyond the committed tokens."""
+        if not self.tree:
+            return budget
+        # every fed node is a beam node or an ancestor of one: at most beam * depth slots
+        return self.tree_beam * min(self.tree_depth, budget) + 1
+
+    def propose(self, ctx: DraftContext, budget: int) -> Draft:
+        if budget <= 0:
+            return Draft.empty()
+        if self.lm is None:
+            self.begin(ctx.tokens, None)
+        self.lm.ensure_capacity(len(ctx.tokens) + self._step_slots(budget))
+        root_logits = self.lm.sync(ctx.tokens)  # [V] draft distribution after the root
+        if self.tree:
+            return self._propose_tree(ctx, budget, root_logits)
+        return self._propose_chain(ctx, budget, root_logits)
+
+    # ------------------------------------------------------------------ chain
+    def _propose_chain(self, ctx: DraftContext, budget: int, logits: torch.Tensor) -> Draft:
+        tokens: list[int] = []
+        draft_rows: list[torch.Tensor] = []  # q each token was sampled from (temperature > 0)
+        for index in range(budget):
+            if ctx.sampling.greedy:
+                token = int(logits.argmax())
+            else:
+                draft_probs = warp_logits_to_probs(logits, ctx.sampling)  # [V]
+                token = int(sample_from_probs(draft_probs, ctx.generator))
+                draft_rows.append(draft_probs)
+            tokens.append(token)
+            if index + 1 < budget:  # the last token's successor is not needed
+                logits = self.lm.extend([token])[-1]
+        token_tensor = torch.tensor(tokens, dtype=torch.long)
+        return Draft.chain(token_tensor, torch.stack(draft_rows) if draft_rows else None)
+
+    # ------------------------------------------------------------------ tree
+    def _propose_tree(self, ctx: DraftContext, budget: int, root_logits: torch.Tensor) -> Draft:
+        tree = _TreeBuilder(self.lm, ctx, self.tree_topk)
+        level = tree.expand(-1, root_logits)
+        for _ in range(2, min(self.tree_depth, budget) + 1):
+            frontier = sorted(level, key=lambda node: -tree.scores[node])[: self.tree_beam]
+            if not frontier:
+                break
+            # children score <= their parent: if `budget` nodes already beat the best frontier
+            # node, no deeper node can enter the tree, so stop drafting
+            best = tree.scores[frontier[0]]
+            if sum(score > best for score in tree.scores) >= budget:
+                break
+            rows = tree.node_logits(frontier)  # [len(frontier), V], one draft forward
+            level = [child for node, row in zip(frontier, rows) for child in tree.expand(node, row)]
+        draft = tree.best_subtree(budget)
+        tree.finish()
+        return draft
+
+
+class _TreeBuilder:
+    """Grows a top-k draft tree; nodes are numbered in creation order (parents first)."""
+
+    def __init__(self, lm: DraftLM, ctx: DraftContext, topk: int):
+        self.lm, self.ctx, self.topk = lm, ctx, topk
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = []  # cumulative draft log-probability of the root-to-node path
+        self.paths: list[tuple[int, ...]] = []  # node ids root-to-node (inclusive)
+        self.slot_nodes: list[int] = []  # nodes written to the draft cache after the committed tokens
+        self.last_logits: dict[int, torch.Tensor] = {}
+
+    def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft log-probabilities used to rank candidates [V]: warped like the target when sampling
+        (tokens the target cannot emit get -inf), the raw distribution when greedy."""
+        if self.ctx.sampling.greedy:
+            return torch.log_softmax(logits, dim=-1)
+        return warp_logits_to_probs(logits, self.ctx.sampling).log()
+
+    def expand(self, parent: int, logits: torch.Tensor) -> list[int]:
+        """Add the top-k children of `parent` (-1 = root) given its draft logits [V]."""
+        log_probs = self._log_probs(logits)  # [V]
+        values, indices = torch.topk(log_probs, min(self.topk, log_probs.shape[0]))
+        base = 0.0 if parent < 0 else self.scores[parent]
+        prefix = () if parent < 0 else self.paths[parent]
+        children = []
+        for value, token in zip(values.tolist(), indices.tolist()):
+            if value == -math.inf:
+                break
+            node = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.scores.append(base + value)
+            self.paths.append(prefix + (node,))
+            children.append(node)
+        return children
+
+    def node_logits(self, frontier: list[int]) -> torch.Tensor:
+        """Draft logits [F, V] after each frontier node, from one forward under a tree mask.
+
+        Node slots already in the cache stay only while they are ancestors of EVERY frontier
+        node (the cache shows its slots to all new tokens); the rest of the frontier's paths is
+        (re)written in this forward.
+        """
+        common = set(self.paths[frontier[0]][:-1])
+        for node in frontier[1:]:
+            common &= set(self.paths[node][:-1])
+        kept = 0
+        while kept < len(self.slot_nodes) and self.slot_nodes[kept] in common:
+            kept += 1
+        self.slot_nodes = self.slot_nodes[:kept]
+        self.lm.keep_nodes(kept)
+        needed = sorted({n for node in frontier for n in self.paths[node]} - set(self.slot_nodes))
+        index_of = {node: i for i, node in enumerate(needed)}
+        mask = torch.zeros(len(needed), len(needed), dtype=torch.bool)  # [T, T]
+        for row, node in enumerate(needed):
+            for ancestor in self.paths[node]:
+                if ancestor in index_of:
+                    mask[row, index_of[ancestor]] = True
+        root_position = len(self.lm.tokens) - 1
+        positions = torch.tensor([root_position + len(self.paths[n]) for n in needed])  # [T]
+        logits = self.lm.run_nodes([self.tokens[n] for n in needed], positions, mask)  # [T, V]
+        self.slot_nodes += needed
+        for row, node in enumerate(needed):
+            self.last_logits[node] = logits[row]
+        return logits[[index_of[node] for node in frontier]]
+
+    def best_subtree(self, budget: int) -> Draft:
+        """The `budget` best nodes by path score (ancestor-closed), parents first, best sibling first."""
+        order = sorted(range(len(self.tokens)), key=lambda n: (-self.scores[n], len(self.paths[n]), n))
+        chosen = sorted(order[:budget], key=lambda n: (len(self.paths[n]), self.paths[n][:-1], -self.scores[n], n))
+        # sorting by (depth, parent path) keeps every parent before its children
+        new_index = {node: i for i, node in enumerate(chosen)}
+        parents = [-1 if self.parents[n] < 0 else new_index[self.parents[n]] for n in chosen]
+        tokens = torch.tensor([self.tokens[n] for n in chosen], dtype=torch.long)
+        return Draft(tokens, torch.tensor(parents, dtype=torch.long), None)
+
+    def finish(self) -> None:
+        """Keep the written node slots when they form a plain chain from the root, else drop them."""
+        is_chain = all(
+            self.parents[node] == (self.slot_nodes[i - 1] if i else -1) for i, node in enumerate(self.slot_nodes)
+        )
+        if self.slot_nodes and is_chain:
+            last = self.slot_nodes[-1]
+            self.lm.adopt_nodes([self.tokens[n] for n in self.slot_nodes], self.last_logits[last])
+        else:
+            self.lm.drop_nodes()
+
+
+# ---------------------------------------------------------------------------- small-model
+
+
+def check_same_vocabulary(target, draft_target) -> None:
+    """Raise ValueError unless draft and target tokenizers map every token string to the same id."""
+    target_vocab = target.tokenizer.get_vocab()
+    draft_vocab = draft_target.tokenizer.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    only_target = sorted(set(target_vocab) - set(draft_vocab))[:5]
+    only_draft = sorted(set(draft_vocab) - set(target_vocab))[:5]
+    moved = sorted(t for t in set(target_vocab) & set(draft_vocab) if target_vocab[t] != draft_vocab[t])[:5]
+    raise ValueError(
+        f"draft model {getattr(draft_target, 'name', '?')!r} does not share the tokenizer of target "
+        f"{getattr(target, 'name', '?')!r}: vocab sizes {len(draft_vocab)} vs {len(target_vocab)}; "
+        f"only in target: {only_target}, only in draft: {only_draft}, different ids: {moved}. "
+        "small-model drafting needs a draft model with the target's exact tokenizer."
+    )
+
+
+def decode_cost_bytes(model_target) -> float:
+    """Bytes of weights one decode step reads (embedding lookups excluded): a memory-bound cost proxy."""
+    model = getattr(model_target, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        return float("nan")
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embed is None and hasattr(model, "model") and hasattr(model.model, "embed_tokens"):
+        embed = model.model.embed_tokens
+    head = model.lm_head if hasattr(model, "lm_head") else None
+    if embed is not None and (head is None or head.weight is not embed.weight):
+        total -= embed.weight.numel() * embed.weight.element_size()
+    return float(total)
+
+
+@register_drafter
+class SmallModelDrafter(ModelDrafter):
+    """Draft with an independent smaller model that shares the target's tokenizer.
+
+    draft_model: registry name / HF directory / .gguf of the draft model (loaded with
+        specdec.load_target), or pass `draft_target`, an already loaded Target.
+    draft_dtype: dtype to load draft_model in (None = the target's dtype, float32 without target).
+    gamma: chain length per step; tree / tree_*: see ModelDrafter (tree_nodes = node budget).
+    """
+
+    name = "small-model"
+
+    def __init__(
+        self,
+        target=None,
+        draft_model: str = DEFAULT_DRAFT_MODEL,
+        draft_target: Target | None = None,
+        draft_dtype: str | None = None,
+        gamma: int = 4,
+        tree: bool = False,
+        tree_nodes: int = 8,
+        tree_depth: int = 4,
+        tree_topk: int = 3,
+        tree_beam: int = 1,
+    ):
+        super().__init__(gamma, tree, tree_nodes, tree_depth, tree_topk, tree_beam)
+        if draft_target is None:
+            if not isinstance(draft_model, str) or not draft_model:
+                raise ValueError(f"draft_model must be a model name, directory or .gguf path, got {draft_model!r}")
+            from ..models import load_target
+
+            dtype = draft_dtype or (str(target.dtype).removeprefix("torch.") if target is not None else "float32")
+            draft_target = load_target(draft_model, dtype=dtype)
+        for method in ("forward", "new_cache"):
+            if not callable(getattr(draft_target, method, None)):
+                raise ValueError(f"draft_target must be a loaded Target (no {method}()), got {type(draft_target).__name__}")
+        self.draft_target = draft_target
+        self._checked_targets: list = []  # targets whose tokenizer matched (shared by sequence copies)
+        self.target_vocab_size = None
+        if target is not None:
+            self._check_target(target)
+            self._cost_tokens = decode_cost_bytes(draft_target) / decode_cost_bytes(target)
+            if math.isnan(self._cost_tokens):
+                self._cost_tokens = draft_target.num_layers * draft_target.hidden_size / (
+                    target.num_layers * target.hidden_size
+                )
+
+    def _check_target(self, target) -> None:
+        if not any(target is seen for seen in self._checked_targets):
+            check_same_vocabulary(target, self.draft_target)
+            self._checked_targets.append(target)
+        self.target_vocab_size = target.vocab_size
+
+    def begin(self, prompt_ids, target) -> None:
+        if target is not None:
+            self._check_target(target)
+        if self.target_vocab_size is None:
+            raise ValueError("small-model drafting needs the target: pass target= to the drafter or begin()")
+        super().begin(prompt_ids, target)
+
+    def _new_draft_lm(self, capacity: int) -> DraftLM:
+        draft = self.draft_target
+
+        def forward(tokens, positions, cache, attn_mask):
+            logits, _ = draft.forward(tokens, positions, cache, attn_mask=attn_mask)
+            return logits
+
+        return DraftLM(forward, lambda max_len: draft.new_cache(1, max_len), self.target_vocab_size, capacity)
