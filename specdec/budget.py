@@ -1,14 +1,17 @@
 """How many draft nodes each sequence gets per step: a fixed gamma, or the cost model's choice.
 
-A policy has `budget(seq, num_active) -> int`, `observe(seq, drafted_depth, accepted)` and
-`max_budget(seq) -> int` (sizes the KV cache). Non-anticipation (DESIGN.md): a budget is a
+A policy has `plan(seqs) -> list[int]` (one budget per running sequence, decided together so
+budgets can shrink as the batch grows), `observe(seq, drafted_depth, accepted)` and
+`max_budget_for(drafter) -> int` (sizes the KV cache). Non-anticipation (DESIGN.md): a budget is a
 function of what was known before drafting — running acceptance estimates, measured costs,
 how many sequences share the forward — never of the tokens about to be drafted.
 """
 
 from __future__ import annotations
 
-from .cost import AcceptanceTracker, CostTable, choose_chain_length, choose_tree_budget
+import weakref
+
+from .cost import AcceptanceTracker, CostTable, allocate_batch_budget, choose_chain_length, choose_tree_budget
 
 
 class FixedBudget:
@@ -19,11 +22,13 @@ class FixedBudget:
             raise ValueError(f"gamma must be >= 0, got {gamma}")
         self.gamma = gamma
 
-    def budget(self, seq, num_active: int) -> int:
-        return seq.drafter.default_budget if self.gamma is None else self.gamma
+    def plan(self, seqs) -> list[int]:
+        return [self.max_budget_for(seq.drafter) for seq in seqs]
 
-    def max_budget(self, seq) -> int:
-        return self.budget(seq, 1) if seq.drafter is not None else 0
+    def max_budget_for(self, drafter) -> int:
+        if drafter is None:
+            return 0
+        return drafter.default_budget if self.gamma is None else self.gamma
 
     def observe(self, seq, drafted_depth: int, accepted: int) -> None:
         pass
@@ -45,11 +50,11 @@ class AutoBudget:
         self.limit = max_budget
         self.draft_ms_prior = draft_ms_per_token
         self.probe_every = probe_every
-        self._trackers: dict[int, AcceptanceTracker] = {}
-        self._idle_steps: dict[int, int] = {}
+        self._trackers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> tracker
+        self._idle_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _tracker(self, seq) -> AcceptanceTracker:
-        return self._trackers.setdefault(id(seq), AcceptanceTracker())
+        return self._trackers.setdefault(seq, AcceptanceTracker())
 
     def _draft_ms_per_token(self, seq) -> float:
         # measured so far for this sequence, else the drafter's prior (in target-step units)
@@ -57,22 +62,30 @@ class AutoBudget:
             return 1000.0 * seq.stats.time_draft_s / seq.stats.drafted_tokens
         return self.draft_ms_prior or seq.drafter.draft_cost_tokens() * self.cost.t(1)
 
-    def max_budget(self, seq) -> int:
-        return self.limit if seq.drafter is not None else 0
+    def max_budget_for(self, drafter) -> int:
+        return 0 if drafter is None else min(self.limit, max(1, 2 * drafter.default_budget))
 
-    def budget(self, seq, num_active: int) -> int:
-        if seq.drafter is None:
-            return 0
-        limit = min(self.limit, max(1, 2 * seq.drafter.default_budget))
-        tracker, others = self._tracker(seq), num_active - 1
+    def plan(self, seqs) -> list[int]:
+        drafting = [seq for seq in seqs if seq.drafter is not None]
+        if len(drafting) <= 1:
+            return [self._single(seq, len(seqs) - 1) if seq.drafter is not None else 0 for seq in seqs]
+        # several sequences share the forward: admit draft positions across all of them in order
+        # of expected survival while expected tokens per second still rises (load-aware)
+        scores = [self._tracker(seq).path_scores(self.max_budget_for(seq.drafter)) if seq.drafter else [] for seq in seqs]
+        draft_ms = max(self._draft_ms_per_token(seq) for seq in drafting)
+        return allocate_batch_budget(scores, self.cost, draft_ms)
+
+    def _single(self, seq, others: int) -> int:
+        limit = self.max_budget_for(seq.drafter)
+        tracker = self._tracker(seq)
         draft_ms = self._draft_ms_per_token(seq)
         if seq.drafter.makes_trees:
             chosen = choose_tree_budget(tracker.path_scores(limit), self.cost, 0.0, limit, others, draft_ms)
         else:
             chosen = choose_chain_length(tracker.probs(limit), self.cost, draft_ms, limit, others)
         if chosen == 0:
-            idle = self._idle_steps.get(id(seq), 0) + 1
-            self._idle_steps[id(seq)] = idle
+            idle = self._idle_steps.get(seq, 0) + 1
+            self._idle_steps[seq] = idle
             if idle % self.probe_every == 0:
                 return 1
         return chosen

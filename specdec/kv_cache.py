@@ -95,7 +95,24 @@ class KVCache:
         new_lengths = torch.as_tensor(new_lengths, dtype=torch.long).expand(self.batch_size)
         if bool((new_lengths > self.lengths).any()) or bool((new_lengths < 0).any()):
             raise ValueError(f"truncate can only shorten: lengths {self.lengths.tolist()} -> {new_lengths.tolist()}")
-        self.lengths = new_lengths.clone()
+        self.lengths.copy_(new_lengths)  # in place: row views share this tensor
+
+    def rows(self, start: int, stop: int) -> KVCache:
+        """A view of rows [start, stop): writes, lengths and rollbacks go to this cache."""
+        view = KVCache.__new__(KVCache)
+        view.keys = [k[start:stop] for k in self.keys]
+        view.values = [v[start:stop] for v in self.values]
+        view.lengths = self.lengths[start:stop]
+        view.max_len = self.max_len
+        return view
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy sequence `src` into row `dst` (compacting a batch when a sequence leaves)."""
+        length = int(self.lengths[src])
+        for keys, values in zip(self.keys, self.values):
+            keys[dst, :, :length] = keys[src, :, :length]
+            values[dst, :, :length] = values[src, :, :length]
+        self.lengths[dst] = length
 
     def keep(self, seq: int, start: int, offsets: Sequence[int]) -> None:
         """Compact sequence `seq`: slots `start + offsets[i]` move to `start + i`; length becomes start + len(offsets).

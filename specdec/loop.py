@@ -19,7 +19,7 @@ plain" compares two runs of one code path that differ only in the draft.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,14 +39,17 @@ class Generation:
     finish_reason: str = "length"  # "stop" (EOS or stop string) | "length" (max_new_tokens)
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: sequences are handles (hashable, weak-referenceable)
 class _Sequence:
+    """One generation in a batch: its context, drafter, stats and stopping rules."""
+
     ctx: DraftContext
     drafter: Drafter | None
     stats: SpecStats
     max_new_tokens: int
     stop_strings: tuple[str, ...]
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    last_committed: list[int] = field(default_factory=list)  # tokens gained in the latest step
     stop_text_cut: int | None = None  # output text length at which a stop string starts
 
     @property
@@ -56,6 +59,140 @@ class _Sequence:
     @property
     def generated(self) -> int:
         return len(self.ctx.tokens) - self.ctx.num_prompt_tokens
+
+
+class SpecBatch:
+    """Sequences that share one target forward per step; they can join and leave between steps.
+
+    Row i of the KV cache belongs to `self.seqs[i]`; when a sequence leaves, the last row moves
+    into its slot, so the running rows are always the prefix [0, n) and the forward runs on a
+    view of exactly those rows (continuous batching without copying the cache each step).
+    """
+
+    def __init__(self, target, drafter: Drafter | None = None, budget_policy=None, max_batch: int = 8, max_len: int = 2048):
+        self.target = target
+        self.drafter = drafter
+        self.policy = budget_policy or FixedBudget()
+        self.cache = target.new_cache(max_batch, max_len)
+        self.seqs: list[_Sequence] = []
+        self.eos_ids = set(target.eos_token_ids)
+        self.hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
+
+    @property
+    def max_batch(self) -> int:
+        return self.cache.batch_size
+
+    def room_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """KV slots one sequence may need: prompt + output + the largest draft block."""
+        return prompt_len + max_new_tokens + (self.policy.max_budget_for(self.drafter) if self.drafter else 0) + 2
+
+    def add(self, prompts: Sequence[list[int]], sampling: Sequence[SamplingParams], max_new_tokens: Sequence[int],
+            stop: Sequence[Sequence[str]]) -> list[_Sequence]:
+        """0. Prefill new sequences (ragged, right-padded, one forward) and sample their first token."""
+        first_row = len(self.seqs)
+        if first_row + len(prompts) > self.max_batch:
+            raise ValueError(f"batch full: {first_row} running + {len(prompts)} new > max_batch {self.max_batch}")
+        for prompt, limit in zip(prompts, max_new_tokens):
+            if not prompt:
+                raise ValueError("prompt is empty: give some text or token ids")
+            if limit < 1:
+                raise ValueError(f"max_new_tokens must be >= 1, got {limit}")
+            if self.room_needed(len(prompt), limit) > self.cache.max_len:
+                raise ValueError(
+                    f"prompt ({len(prompt)} tokens) + max_new_tokens ({limit}) does not fit the context of "
+                    f"{self.cache.max_len - (self.room_needed(0, 0))} tokens"
+                )
+        new = []
+        for prompt, param, limit, stops in zip(prompts, sampling, max_new_tokens, stop):
+            ctx = DraftContext(list(prompt), len(prompt), param, make_generator(param.seed))
+            seq_drafter = self.drafter.for_sequence() if self.drafter is not None else None
+            if seq_drafter is not None:
+                seq_drafter.begin(list(prompt), self.target)
+            new.append(_Sequence(ctx, seq_drafter, SpecStats(), limit, tuple(s for s in stop_list(stops) if s)))
+        rows = self.cache.rows(first_row, first_row + len(new))
+        rows.truncate(0)
+        with _timers(new, "verify"):
+            lengths = torch.tensor([len(p) for p in prompts])
+            width = int(lengths.max())
+            tokens = torch.tensor([list(p) + [p[-1]] * (width - len(p)) for p in prompts])  # [b, T]
+            positions = torch.arange(width).expand(len(new), -1)  # [b, T]
+            logits, hiddens = self.target.forward(tokens, positions, rows, hidden_layers=self.hidden_layers)
+            rows.truncate(lengths)  # drop the padding slots
+        for row, seq in enumerate(new):
+            probs = warp_logits_to_probs(logits[row, lengths[row] - 1], seq.ctx.sampling)  # [V]
+            first = int(sample_from_probs(probs, seq.ctx.generator))
+            seq.stats.record_prefill(1)
+            seq.ctx.new_hidden = {layer: h[row, : lengths[row]] for layer, h in hiddens.items()}
+            seq.last_committed = _commit(seq, [first], self.target, self.eos_ids)
+            if seq.drafter is not None:
+                seq.drafter.on_verified(VerifyResult([first], 0, []), seq.ctx)
+        self.seqs.extend(new)
+        self._drop_finished()
+        return new
+
+    def step(self) -> list[_Sequence]:
+        """One draft -> verify -> commit step over every running sequence.
+
+        Returns the sequences that ran; each one's `last_committed` holds the tokens it gained.
+        Finished sequences leave the batch (their `finish_reason` is set)."""
+        seqs = list(self.seqs)
+        if not seqs:
+            return []
+        # 1-2. budgets (the policy sees every running sequence: load-aware) and proposals
+        budgets = self.policy.plan(seqs)
+        drafts = []
+        for seq, budget in zip(seqs, budgets):
+            with seq.stats.timer("draft"):
+                drafts.append(_propose(seq, budget))
+        rows = self.cache.rows(0, len(seqs))
+        with _timers(seqs, "verify"):
+            # 3. one batch: [root, *draft nodes, padding] per row, tree masks, positions
+            starts = rows.lengths.clone()
+            width = 1 + max(len(d) for d in drafts)
+            tokens, positions, mask = _batch_inputs(seqs, drafts, starts, width)
+            # 4. the one target forward
+            logits, hiddens = self.target.forward(tokens, positions, rows, attn_mask=mask, hidden_layers=self.hidden_layers)
+            # 5. verification per row
+            results = []
+            for row, (seq, draft) in enumerate(zip(seqs, drafts)):
+                target_probs = warp_logits_to_probs(logits[row, : len(draft) + 1], seq.ctx.sampling)  # [N+1, V]
+                results.append(_verify(draft, target_probs, seq.ctx.generator))
+        # 6. commit, compact the cache to the accepted path, feed drafters
+        for row, (seq, draft, result) in enumerate(zip(seqs, drafts, results)):
+            kept = [0] + [1 + node for node in result.path]  # root + accepted path rows
+            rows.keep(row, int(starts[row]), kept)
+            with seq.stats.timer("other"):
+                seq.last_committed = _commit(seq, result.tokens, self.target, self.eos_ids)
+            max_depth = int(draft.depths.max()) if len(draft) else 0
+            seq.stats.record_step(len(draft), result.num_accepted, len(seq.last_committed), max_depth)
+            self.policy.observe(seq, max_depth, result.num_accepted)
+            if seq.drafter is not None and not seq.done:
+                seq.ctx.new_hidden = {layer: h[row, kept] for layer, h in hiddens.items()}
+                if seq.drafter.wants_node_logits:
+                    seq.ctx.all_node_logits = logits[row, : len(draft) + 1]
+                with seq.stats.timer("draft"):
+                    seq.drafter.on_verified(result, seq.ctx)
+        self._drop_finished()
+        return seqs
+
+    def remove(self, seq: _Sequence) -> None:
+        """Take a sequence out of the batch (finished, or its client went away) and free its row."""
+        row = self.seqs.index(seq)
+        last = len(self.seqs) - 1
+        if row != last:
+            self.cache.move_row(last, row)
+            self.seqs[row] = self.seqs[last]
+        self.seqs.pop()
+        self.cache.rows(last, last + 1).truncate(0)
+        seq.finish_reason = seq.finish_reason or "cancelled"
+
+    def _drop_finished(self) -> None:
+        for seq in [s for s in self.seqs if s.done]:
+            self.remove(seq)
+
+
+def stop_list(stops) -> tuple[str, ...]:
+    return (stops,) if isinstance(stops, str) else tuple(stops)
 
 
 def run(
@@ -77,92 +214,22 @@ def run(
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
     policy = budget_policy or FixedBudget()
-    eos_ids = set(target.eos_token_ids)
-    hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
-    seqs = []
-    for prompt, param in zip(prompts, params):
-        ctx = DraftContext(list(prompt), len(prompt), param, make_generator(param.seed))
-        seq_drafter = drafter.for_sequence() if drafter is not None else None
-        if seq_drafter is not None:
-            seq_drafter.begin(list(prompt), target)
-        seqs.append(_Sequence(ctx, seq_drafter, SpecStats(), max_new_tokens, tuple(s for s in stop if s)))
-    max_budget = max((policy.max_budget(s) for s in seqs), default=0)
-    cache = target.new_cache(len(seqs), max(len(p) for p in prompts) + max_new_tokens + max_budget + 2)
-
-    # 0. prefill (ragged prompts, right-padded; padding slots are dropped by truncate)
-    with _timers(seqs, "verify"):
-        lengths = torch.tensor([len(p) for p in prompts])
-        width = int(lengths.max())
-        tokens = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts])  # [B, T]
-        positions = torch.arange(width).expand(len(seqs), -1)  # [B, T]
-        logits, hiddens = target.forward(tokens, positions, cache, hidden_layers=hidden_layers)
-        cache.truncate(lengths)
-    committed = []
-    for row, seq in enumerate(seqs):
-        probs = warp_logits_to_probs(logits[row, lengths[row] - 1], seq.ctx.sampling)  # [V]
-        first = int(sample_from_probs(probs, seq.ctx.generator))
-        seq.stats.record_prefill(1)
-        seq.ctx.new_hidden = {layer: h[row, : lengths[row]] for layer, h in hiddens.items()}
-        committed.append(_commit(seq, [first], target, eos_ids))
-        if seq.drafter is not None:
-            seq.drafter.on_verified(VerifyResult([first], 0, []), seq.ctx)
-    yield committed
-
-    while not all(seq.done for seq in seqs):
-        active = [row for row, seq in enumerate(seqs) if not seq.done]
-        # 1-2. budgets and proposals
-        drafts: dict[int, Draft] = {}
-        for row in active:
-            seq = seqs[row]
-            with seq.stats.timer("draft"):
-                drafts[row] = _propose(seq, policy, len(active))
-        # 3. one batch over all rows (finished rows get just their root and are ignored)
-        with _timers([seqs[r] for r in active], "verify"):
-            starts = cache.lengths.clone()
-            width = 1 + max(len(d) for d in drafts.values())
-            tokens, positions, mask = _batch_inputs(seqs, drafts, starts, width)
-            # 4. the one target forward
-            logits, hiddens = target.forward(tokens, positions, cache, attn_mask=mask, hidden_layers=hidden_layers)
-            # 5. verification per row
-            results = {}
-            for row in active:
-                draft = drafts[row]
-                target_probs = warp_logits_to_probs(logits[row, : len(draft) + 1], seqs[row].ctx.sampling)
-                results[row] = _verify(draft, target_probs, seqs[row].ctx.generator)
-        # 6. commit, compact caches, feed drafters
-        committed = [[] for _ in seqs]
-        for row in active:
-            seq, draft, result = seqs[row], drafts[row], results[row]
-            kept = [0] + [1 + node for node in result.path]  # root + accepted path rows
-            cache.keep(row, int(starts[row]), kept)
-            with seq.stats.timer("other"):
-                new_tokens = _commit(seq, result.tokens, target, eos_ids)
-            max_depth = int(draft.depths.max()) if len(draft) else 0
-            seq.stats.record_step(len(draft), result.num_accepted, len(new_tokens), max_depth)
-            policy.observe(seq, max_depth, result.num_accepted)
-            committed[row] = new_tokens
-            if seq.drafter is not None and not seq.done:
-                seq.ctx.new_hidden = {layer: h[row, kept] for layer, h in hiddens.items()}
-                if seq.drafter.wants_node_logits:
-                    seq.ctx.all_node_logits = logits[row, : len(draft) + 1]
-                with seq.stats.timer("draft"):
-                    seq.drafter.on_verified(result, seq.ctx)
-        finished_before = [row for row in range(len(seqs)) if row not in drafts]
-        if finished_before:  # their rows only carried a placeholder root: roll it back
-            lengths = cache.lengths.clone()
-            lengths[finished_before] = starts[finished_before]
-            cache.truncate(lengths)
-        yield committed
-
+    longest = max(len(p) for p in prompts)
+    max_len = longest + max_new_tokens + (policy.max_budget_for(drafter) if drafter else 0) + 2
+    batch = SpecBatch(target, drafter, policy, max_batch=len(prompts), max_len=max_len)
+    seqs = batch.add(prompts, params, [max_new_tokens] * len(prompts), [stop] * len(prompts))
+    yield [seq.last_committed for seq in seqs]
+    while batch.seqs:
+        ran = set(map(id, batch.step()))
+        yield [seq.last_committed if id(seq) in ran else [] for seq in seqs]
     return [_finish(seq, target) for seq in seqs]
 
 
-def _propose(seq: _Sequence, policy, num_active: int) -> Draft:
+def _propose(seq: _Sequence, budget: int) -> Draft:
     if seq.drafter is None:
         return Draft.empty()
     # never draft past max_new_tokens: the bonus token already fills the last slot
-    room = seq.max_new_tokens - seq.generated - 1
-    budget = min(policy.budget(seq, num_active), room)
+    budget = min(budget, seq.max_new_tokens - seq.generated - 1)
     if budget <= 0:
         return Draft.empty()
     draft = seq.drafter.propose(seq.ctx, budget)
@@ -171,15 +238,14 @@ def _propose(seq: _Sequence, policy, num_active: int) -> Draft:
     return draft
 
 
-def _batch_inputs(seqs, drafts: dict[int, Draft], starts: torch.Tensor, width: int):
+def _batch_inputs(seqs, drafts: list[Draft], starts: torch.Tensor, width: int):
     """tokens / positions [B, W] and tree masks [B, W, W] for rows [root, *nodes, padding]."""
     batch = len(seqs)
     tokens = torch.zeros(batch, width, dtype=torch.long)
     positions = starts[:, None].repeat(1, width)  # padding: any position, it is masked and dropped
     mask = torch.eye(width, dtype=torch.bool).repeat(batch, 1, 1)  # padding sees itself (no empty rows)
-    for row, seq in enumerate(seqs):
+    for row, (seq, draft) in enumerate(zip(seqs, drafts)):
         tokens[row] = seq.ctx.tokens[-1]
-        draft = drafts.get(row)
         if not draft:
             continue
         n = len(draft)

@@ -106,7 +106,7 @@ def residual_distribution(target_row: torch.Tensor, draft_row: torch.Tensor | No
     mass = float(residual.sum())
     if mass <= RESIDUAL_MASS_EPS:
         return target_row / target_row.sum()
-    return residual / mass
+    return residual.mul_(1.0 / mass)
 
 
 def _is_accepted(probability: float, generator: torch.Generator | None) -> bool:

@@ -220,23 +220,24 @@ def test_suffix_array_search_matches_brute_force():
         store.find([0] * (depth + 1))
 
 
+AMAZON = (
+    "The Amazon rainforest covers much of the Amazon basin of South America. It is home to millions of species of "
+    "insects, plants, birds and other forms of life, and it plays a vital role in regulating the global climate."
+)
+
+
 CORPUS = """\
 Here is the list, exactly as you wrote it: apples, bananas, cherries, dates, elderberries, figs, grapes, honeydew, kiwis, lemons.
 Sure! Here is the list: apples, bananas, cherries, dates, elderberries, figs, grapes, honeydew, kiwis, lemons.
-The Amazon rainforest covers much of the Amazon basin of South America. It is home to millions of species of insects,
-plants, birds and other forms of life, and it plays a vital role in regulating the global climate.
-"""
+""" + AMAZON + "\n"
 
 
 def copy_prompts():
-    import json as json_module
-
-    paragraph = (json_module.__doc__ or "").strip().split("\n\n")[0]
+    """Copy-heavy prompts: a list to repeat (ends with EOS), a text to copy and continue (hits
+    max_new_tokens), and a short reply (EOS well before max_new_tokens)."""
     return [
         "Repeat this list exactly: apples, bananas, cherries, dates, elderberries, figs, grapes, honeydew, kiwis, lemons.",
-        "Summarise this paragraph in two sentences: The Amazon rainforest covers much of the Amazon basin of South "
-        "America. It is home to millions of species of insects, plants, birds and other forms of life, and it plays a "
-        "vital role in regulating the global climate. " + paragraph,
+        "Copy the following text exactly, then continue it with three more paragraphs: " + AMAZON,
         "Reply with just the word yes.",
     ]
 
@@ -322,12 +323,12 @@ def test_datastore_built_with_another_tokenizer_is_refused(target, tmp_path):
 
 # ----------------------------------------------------------------------------- end to end on SmolLM2
 
-MAX_NEW = 40
+MAX_NEW = 32
 
 
 @pytest.fixture(scope="module")
 def plain(target):
-    """Plain greedy outputs of the three prompts (copy -> EOS, summary -> max_new_tokens, short -> EOS)."""
+    """Plain greedy outputs of the three prompts (list -> EOS, copy+continue -> max_new_tokens, short -> EOS)."""
     outputs = [specdec.generate(target, prompt, None, max_new_tokens=MAX_NEW) for prompt in copy_prompts()]
     assert outputs[0].finish_reason == "stop" and outputs[1].finish_reason == "length"
     assert outputs[2].finish_reason == "stop" and len(outputs[2].tokens) < MAX_NEW
@@ -336,7 +337,6 @@ def plain(target):
 
 DRAFTER_CONFIGS = {
     "pld": ("pld", {}),
-    "pld-min1": ("pld", {"min_ngram": 1, "max_ngram": 3}),
     "suffix-tree": ("suffix", {}),
     "suffix-chain": ("suffix", {"tree": False}),
     "rest-tree": ("rest", {}),
@@ -378,9 +378,9 @@ def test_sampling_is_seeded_and_reproducible(config, target, datastore_dir):
     prompt = copy_prompts()[0]
     sampling = SamplingParams(temperature=0.8, seed=1234)
     runs = [
-        specdec.generate(target, prompt, make(config, target, datastore_dir), max_new_tokens=24, sampling=sampling)
+        specdec.generate(target, prompt, make(config, target, datastore_dir), max_new_tokens=16, sampling=sampling)
         for _ in range(2)
     ]
     assert runs[0].tokens == runs[1].tokens
-    assert 0 < len(runs[0].tokens) <= 24
+    assert 0 < len(runs[0].tokens) <= 16
     assert all(0 <= t < target.vocab_size for t in runs[0].tokens)

@@ -442,3 +442,15 @@ def test_fetch_end_to_end_with_a_registered_local_model(tiny_gguf, tmp_path, tmp
     registry.fetch("tiny-test", progress=False, force=True)
     assert (model_dir / "specdec.json").stat().st_mtime_ns != first_build
     assert json.loads((model_dir / "config.json").read_text())["num_hidden_layers"] == model.config.num_hidden_layers
+
+
+def test_models_cli_fetch(tiny_gguf, tmp_path, tmp_cache, monkeypatch, capsys):
+    _, _, path = tiny_gguf
+    spec = ModelSpec("tiny-cli", "tiny", "llama", "0", (), LocalParts((path,)), hashlib.sha256(path.read_bytes()).hexdigest(), 0)
+    monkeypatch.setitem(registry.MODELS, "tiny-cli", spec)
+    parser = argparse.ArgumentParser()
+    registry.add_models_arguments(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["models", "fetch", "tiny-cli", "--force"])
+    assert args.handler(args) == 0
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    assert printed == str(registry.model_cache_dir("tiny-cli")) and (registry.model_cache_dir("tiny-cli") / "specdec.json").is_file()

@@ -403,6 +403,7 @@ def run_harness(
     rng = random.Random(seed)
     generator = make_generator(seed) if generator is None else generator
     cache: dict[tuple, tuple[Draft, torch.Tensor]] = {}
+    proposals: dict[tuple, tuple[np.ndarray, bool, list[float]]] = {}  # memoised node proposals
     samples = []
     for _ in range(num_samples):
         emitted: list[int] = []
@@ -410,8 +411,12 @@ def run_harness(
             context = emitted[-1] if emitted else scenario.start
             tokens, rows = [], []
             for node in range(len(scenario.parents)):
-                proposal, stochastic = scenario.node_proposal(draft_table, context, tokens, node)
-                tokens.append(rng.choices(range(VOCAB), weights=proposal)[0])
+                proposal_key = (context, tuple(tokens))
+                if proposal_key not in proposals:
+                    proposal, stochastic = scenario.node_proposal(draft_table, context, tokens, node)
+                    proposals[proposal_key] = proposal, stochastic, list(itertools.accumulate(proposal.tolist()))
+                proposal, stochastic, cumulative = proposals[proposal_key]
+                tokens.append(rng.choices(range(VOCAB), cum_weights=cumulative)[0])
                 rows.append(proposal)
             key = (context, tuple(tokens))
             if key not in cache:
