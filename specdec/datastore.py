@@ -34,6 +34,7 @@ SEPARATOR = -1  # between documents: no match or continuation crosses it
 DEFAULT_SORTED_DEPTH = 64
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl", ".json")
 _CHUNK_CHARS = 1 << 20  # tokenize long plain-text files in ~1 MB pieces cut at line ends
+_BATCH_CHARS = 8 << 20  # ~8 MB of text per tokenizer call
 
 
 class DatastoreError(ValueError):
@@ -127,7 +128,8 @@ class Datastore:
                 "`specdec datastore build FILES... -o DIR --model NAME`"
             )
         manifest_path = directory / "manifest.json"
-        missing = [name for name in ("manifest.json", "tokens.npy", "suffix_array.npy") if not (directory / name).is_file()]
+        required = ("manifest.json", "tokens.npy", "suffix_array.npy")
+        missing = [name for name in required if not (directory / name).is_file()]
         if missing:
             raise DatastoreError(f"{directory} is not a datastore: missing {', '.join(missing)}")
         try:
@@ -311,16 +313,19 @@ def build_datastore(
             batch: list[str] = []
 
             def flush() -> None:
-                if batch:
+                if batch:  # one call per batch: fast tokenizers encode a batch in parallel
                     encoded = tokenizer(batch, add_special_tokens=False)["input_ids"]
                     file_pieces.extend(np.asarray(ids, dtype=np.int32) for ids in encoded)
                     batch.clear()
 
+            batch_chars = 0
             for text, size in iter_documents(path, field):
                 if text:
                     batch.append(text)
-                    if len(batch) >= 256:
+                    batch_chars += len(text)
+                    if len(batch) >= 256 or batch_chars >= _BATCH_CHARS:  # bounds the Python-int lists
                         flush()
+                        batch_chars = 0
                 bar.update(size)
             flush()
             # a plain-text file is one document; each JSON record is its own document
@@ -374,7 +379,9 @@ def add_datastore_arguments(subparsers) -> argparse.ArgumentParser:
     build = actions.add_parser("build", help="tokenize text files and build a suffix-array datastore")
     build.add_argument("files", nargs="+", help=".txt/.md files, .jsonl (one document per line), .json, or directories")
     build.add_argument("-o", "--output", required=True, help="datastore directory to write")
-    build.add_argument("--model", required=True, help="target model (registry name, HF dir or .gguf) whose tokenizer to use")
+    build.add_argument(
+        "--model", required=True, help="target model (registry name, HF dir or .gguf) whose tokenizer to use"
+    )
     build.add_argument("--field", default=None, help='JSON field holding the text (default: "text", else every string)')
     build.add_argument(
         "--sorted-depth", type=int, default=DEFAULT_SORTED_DEPTH,
@@ -404,6 +411,8 @@ def run_datastore(args: argparse.Namespace) -> int:
     if args.sorted_depth < 1:
         raise DatastoreError(f"--sorted-depth must be >= 1, got {args.sorted_depth}")
     tokenizer = load_tokenizer(args.model)
-    store = build_datastore(args.files, args.output, tokenizer, args.model, field=args.field, sorted_depth=args.sorted_depth)
+    store = build_datastore(
+        args.files, args.output, tokenizer, args.model, field=args.field, sorted_depth=args.sorted_depth
+    )
     print(f"{store.path}: {len(store)} tokens from {store.manifest['num_documents']} documents")
     return 0

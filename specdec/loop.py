@@ -252,7 +252,7 @@ def _batch_inputs(seqs, drafts: list[Draft], starts: torch.Tensor, width: int):
         tokens[row, 1 : n + 1] = draft.tokens
         positions[row, : n + 1] = draft.positions(int(starts[row]))
         mask[row, : n + 1, : n + 1] = draft.tree_attention_mask()
-    return tokens, positions, mask
+    return tokens, positions, (mask if width > 1 else None)  # one new token per row: nothing to mask
 
 
 def _verify(draft: Draft, target_probs: torch.Tensor, generator) -> VerifyResult:

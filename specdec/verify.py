@@ -148,6 +148,8 @@ def verify_chain(
     Equivalent to verify_tree(Draft.chain(...)) (same randomness consumption), but gathers all
     p(x_i), q(x_i) in one shot.
     """
+    if not isinstance(draft_tokens, torch.Tensor):
+        draft_tokens = torch.as_tensor(list(draft_tokens), dtype=torch.long)
     if draft_tokens.dim() != 1:
         raise ValueError(f"draft_tokens must be 1-D [g], got shape {tuple(draft_tokens.shape)}")
     num_draft = draft_tokens.shape[0]

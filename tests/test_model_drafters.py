@@ -108,8 +108,8 @@ def test_padded_draft_head_is_sliced_to_the_shared_tokenizer(tmp_path, tiny_pair
 # ---------------------------------------------------------------------------- sampling is lossless
 def _exact_drafted_pair_distribution(target, prompt: list[int]) -> dict[tuple[int, int], float]:
     """Exact target distribution (temperature 1) of output tokens 2 and 3, with the first token
-    summed out and EOS ending the sequence (missing tokens are -1)."""
-    vocab, eos = target.vocab_size, target.eos_token_ids[0]
+    summed out; an EOS ends the sequence (missing tokens are -1)."""
+    vocab, eos_ids = target.vocab_size, target.eos_token_ids
     pairs = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))  # [V*V, 2] (t1, t2)
     tokens = torch.cat([torch.tensor(prompt).expand(len(pairs), -1), pairs], dim=1)  # [V*V, P+2]
     positions = torch.arange(tokens.shape[1]).expand(len(pairs), -1)
@@ -119,10 +119,11 @@ def _exact_drafted_pair_distribution(target, prompt: list[int]) -> dict[tuple[in
     second = probs[:, 0, len(prompt)]  # [t1, V] p(t2 | t1)
     third = probs[:, :, len(prompt) + 1]  # [t1, t2, V] p(t3 | t1, t2)
     live = torch.ones(vocab, dtype=torch.bool)
-    live[eos] = False
-    exact = {(-1, -1): float(first[eos]), (eos, -1): float((first[live] * second[live, eos]).sum())}
+    live[eos_ids] = False  # t1 values after which generation continues
+    exact = {(-1, -1): float(first[eos_ids].sum())}
     for t2 in range(vocab):
-        if t2 == eos:
+        if t2 in eos_ids:
+            exact[(t2, -1)] = float((first[live] * second[live, t2]).sum())
             continue
         joint = (first[live, None] * second[live, t2, None] * third[live, t2]).sum(0)  # [V] over t3
         for t3 in range(vocab):
@@ -133,14 +134,15 @@ def _exact_drafted_pair_distribution(target, prompt: list[int]) -> dict[tuple[in
 def _drafted_pair_pvalue(target, drafter, prompt: list[int], runs: int) -> float:
     """Chi-square p-value of `runs` generations (temperature 1, one seed per row, gamma 2 so tokens
     2 and 3 are drafted and sampled) against the exact target distribution."""
-    eos = target.eos_token_ids[0]
+    eos_ids = set(target.eos_token_ids)
     params = [SamplingParams(temperature=1.0, seed=seed) for seed in range(runs)]
     results = generate_batch(target, [prompt] * runs, drafter, max_new_tokens=4, sampling=params, gamma=2)
     exact = _exact_drafted_pair_distribution(target, prompt)
+    assert abs(sum(exact.values()) - 1.0) < 1e-9
     counts = dict.fromkeys(exact, 0)
     for result in results:
         out = result.tokens
-        key = (-1, -1) if out[0] == eos else (eos, -1) if out[1] == eos else (out[1], out[2])
+        key = (-1, -1) if out[0] in eos_ids else (out[1], -1) if out[1] in eos_ids else (out[1], out[2])
         counts[key] += 1
     # cells expected below 5 are pooled, as the chi-square approximation needs
     big = [key for key in exact if exact[key] * runs >= 5]
@@ -150,14 +152,25 @@ def _drafted_pair_pvalue(target, drafter, prompt: list[int], runs: int) -> float
     return float(chisquare(observed, expected).pvalue)
 
 
-class ClaimsDeterministicDrafter(SmallModelDrafter):
-    """WRONG on purpose: samples tokens from q but reports them as deterministic (one-hot q)."""
-
-    name = "test-wrong-small-model"  # not registered
+class MisreportsTemperatureDrafter(SmallModelDrafter):
+    """WRONG on purpose: samples from q (temperature 1) but reports q**2 renormalised, i.e. the draft
+    distribution at temperature 0.5."""
 
     def propose(self, ctx, budget):
         draft = super().propose(ctx, budget)
-        return Draft(draft.tokens, draft.parents, None)
+        sharpened = draft.draft_probs**2  # [N, V]
+        return Draft(draft.tokens, draft.parents, sharpened / sharpened.sum(-1, keepdim=True))
+
+
+class DropsUnlikelyTokensDrafter(SmallModelDrafter):
+    """WRONG on purpose (non-anticipation): cuts the sampled chain before the first token whose own
+    draft probability is below 0.3."""
+
+    def propose(self, ctx, budget):
+        draft = super().propose(ctx, budget)
+        own = draft.draft_probs[torch.arange(len(draft)), draft.tokens]  # [N] q(x_i)
+        keep = int((own >= 0.3).long().cumprod(0).sum())
+        return Draft.chain(draft.tokens[:keep], draft.draft_probs[:keep])
 
 
 def test_sampled_drafts_keep_the_target_distribution(tiny_pair):
@@ -244,18 +257,18 @@ def test_chain_drafting_feeds_each_token_once(tiny_pair):
     drafter.begin(prompt, target)
     ctx.tokens.append(4)
     drafter.on_verified(VerifyResult([4], 0, []), ctx)
-    drafter.propose(ctx, 4)
+    draft = drafter.propose(ctx, 4)  # the first sync feeds the whole prompt + first token at once
     assert counting.forwards == 4 and counting.tokens_fed == len(ctx.tokens) + 3
     for num_accepted in (0, 4, 2, 4, 1):
-        draft = drafter.propose(ctx, 4) if num_accepted != 4 or counting.forwards == 0 else last
-        last = draft
         accepted = draft.tokens[:num_accepted].tolist()
-        ctx.tokens.extend(accepted + [6 if num_accepted == 4 else (int(draft.tokens[num_accepted]) + 1) % 16])
-        drafter.on_verified(VerifyResult(accepted, num_accepted, list(range(num_accepted))), ctx)
-        before_forwards, before_fed = counting.forwards, counting.tokens_fed
-        last = drafter.propose(ctx, 4)
-        assert counting.forwards - before_forwards == 4
-        assert counting.tokens_fed - before_fed == (2 if num_accepted == 4 else 1) + 3
+        # bonus after a full acceptance; else a correction that differs from the rejected token
+        last = 6 if num_accepted == 4 else (int(draft.tokens[num_accepted]) + 1) % target.vocab_size
+        ctx.tokens.extend(accepted + [last])
+        drafter.on_verified(VerifyResult(accepted + [last], num_accepted, list(range(num_accepted))), ctx)
+        forwards_before, fed_before = counting.forwards, counting.tokens_fed
+        draft = drafter.propose(ctx, 4)
+        assert counting.forwards - forwards_before == 4
+        assert counting.tokens_fed - fed_before == (2 if num_accepted == 4 else 1) + 3
 
 
 # ---------------------------------------------------------------------------- bad input

@@ -22,6 +22,7 @@ from specdec.datastore import (
     build_datastore,
     build_suffix_array,
     run_datastore,
+    write_datastore,
 )
 from specdec.drafters.base import DraftContext
 from specdec.drafters.pld import PromptLookupDrafter
@@ -220,6 +221,21 @@ def test_suffix_array_search_matches_brute_force():
         store.find([0] * (depth + 1))
 
 
+def test_rest_tree_from_crafted_datastore(tmp_path):
+    # continuations of "1 2 3": 4 three times, 5 and 7 once; the longer "9 1 2 3" -> only 7
+    documents = [[1, 2, 3, 4, 6], [1, 2, 3, 4, 6], [8, 1, 2, 3, 5], [1, 2, 3, 4, 0], [9, 1, 2, 3, 7]]
+    tokens = np.array(sum(([*doc, SEPARATOR] for doc in documents), [])[:-1], dtype=np.int32)
+    manifest = {"format_version": 1, "num_tokens": len(tokens), "sorted_depth": 8, "tokenizer": {}}
+    write_datastore(tmp_path / "ds", tokens, build_suffix_array(tokens, 8), manifest)
+    rest = specdec.make_drafter("rest", None, datastore=str(tmp_path / "ds"), min_suffix=1, max_suffix=8, min_prob=0.0)
+    draft = rest.propose(ctx_of([0, 1, 2, 3]), 10)
+    assert [int(draft.tokens[i]) for i in draft.children(-1)] == [4, 5, 7]  # most frequent first
+    paths = {tuple(int(draft.tokens[i]) for i in draft.path_to(node)) for node in range(len(draft))}
+    assert paths == {(4,), (4, 6), (4, 0), (5,), (7,)}  # continuations stop at document ends
+    assert rest.propose(ctx_of([9, 1, 2, 3]), 10).tokens.tolist() == [7]  # the longest match wins
+    assert len(rest.propose(ctx_of([42, 43]), 10)) == 0  # no match at all
+
+
 AMAZON = (
     "The Amazon rainforest covers much of the Amazon basin of South America. It is home to millions of species of "
     "insects, plants, birds and other forms of life, and it plays a vital role in regulating the global climate."
@@ -259,7 +275,8 @@ def datastore_dir(target, tmp_path_factory):
     (root / "corpus.txt").write_text(CORPUS * 3)
     docs = [{"text": module.__doc__} for module in (json, collections, textwrap, argparse) if module.__doc__]
     (root / "docs.jsonl").write_text("\n".join(json.dumps(d) for d in docs) + "\n\n")
-    build_datastore([root / "corpus.txt", root / "docs.jsonl"], root / "store", target.tokenizer, "smollm2-135m", progress=False)
+    files = [root / "corpus.txt", root / "docs.jsonl"]
+    build_datastore(files, root / "store", target.tokenizer, "smollm2-135m", progress=False)
     return root / "store"
 
 
@@ -272,7 +289,8 @@ def test_datastore_build_and_lookup(target, datastore_dir):
     phrase = target.tokenizer(" cherries, dates, elderberries", add_special_tokens=False)["input_ids"]
     assert store.count(phrase) == 3 * 2  # twice per copy of CORPUS, three copies
     drafter = specdec.make_drafter("rest", target, datastore=str(datastore_dir), min_prob=0.0)
-    draft = drafter.propose(ctx_of(target.tokenizer("Here is the list: apples, bananas,", add_special_tokens=False)["input_ids"]), 4)
+    context = target.tokenizer("Here is the list: apples, bananas,", add_special_tokens=False)["input_ids"]
+    draft = drafter.propose(ctx_of(context), 4)
     expected = target.tokenizer(" cherries, dates", add_special_tokens=False)["input_ids"][:4]
     assert draft.is_chain and draft.tokens.tolist()[: len(expected)] == expected  # every occurrence agrees
 
@@ -281,7 +299,8 @@ def test_datastore_cli_builds_with_the_model_tokenizer(tmp_path):
     (tmp_path / "a.txt").write_text(CORPUS)
     parser = argparse.ArgumentParser()
     add_datastore_arguments(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["datastore", "build", str(tmp_path / "a.txt"), "-o", str(tmp_path / "ds"), "--model", "smollm2-135m"])
+    command = ["datastore", "build", str(tmp_path / "a.txt"), "-o", str(tmp_path / "ds"), "--model", "smollm2-135m"]
+    args = parser.parse_args(command)
     assert args.handler(args) == 0
     assert Datastore.open(tmp_path / "ds").manifest["tokenizer"]["model"] == "smollm2-135m"
     assert run_datastore(parser.parse_args(["datastore", "info", str(tmp_path / "ds")])) == 0

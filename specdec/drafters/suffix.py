@@ -213,7 +213,9 @@ class SuffixDrafter(Drafter):
             raise ValueError(f"min_prob must be a number in [0, 1], got {min_prob!r}")
         self.min_prob = float(min_prob)
         if not isinstance(tree, bool) or not isinstance(share_across_requests, bool):
-            raise ValueError(f"tree and share_across_requests must be booleans, got {tree!r}, {share_across_requests!r}")
+            raise ValueError(
+                f"tree and share_across_requests must be booleans, got {tree!r}, {share_across_requests!r}"
+            )
         self.tree = self.makes_trees = tree
         self.global_max_nodes = check_int_option("global_max_nodes", global_max_nodes, 1)
         self.default_budget = check_int_option("gamma", gamma, 1, 1024)

@@ -173,7 +173,8 @@ void run_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
 class Pool {
  public:
   explicit Pool(int num_workers) : pid_(getpid()) {
-    for (int i = 0; i < num_workers; ++i) workers_.emplace_back([this, i] { worker_loop(i + 1); });
+    // workers start from generation 0 explicitly: a job may be posted before a thread first runs
+    for (int i = 0; i < num_workers; ++i) workers_.emplace_back([this, i] { worker_loop(i + 1, 0); });
   }
   ~Pool() {
     {
@@ -210,8 +211,7 @@ class Pool {
     run_tiles(*job_, n * part / parts_, n * (part + 1) / parts_);
   }
 
-  void worker_loop(int part) {
-    uint64_t seen = generation_.load();
+  void worker_loop(int part, uint64_t seen) {
     while (true) {
       const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_.load());
       while (generation_.load(std::memory_order_acquire) == seen &&

@@ -1,0 +1,264 @@
+"""Benchmark summary (per method x task kind), results.json, results.md and PNG plots.
+
+Metrics (Spec-Bench):
+  * tokens/s of a question = its generated tokens / its wall time, over all its turns; a task kind's
+    tokens/s is the mean over its questions, "overall" the mean over every question;
+  * speedup = a method's mean tokens/s / plain decoding's mean tokens/s in the SAME run
+    (per task kind, and overall);
+  * tau = tokens emitted per verify step, pooled over the questions (SpecStats: accepted + bonus);
+    for transformers peers, tokens per target forward (forward calls counted with a hook).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from .questions import TASK_KIND_TITLES
+from ..stats import SpecStats
+
+BASELINE = "plain"
+OVERALL = "overall"
+PLOT_FILES = ("speedup.png", "tau_histogram.png", "latency_split.png")
+
+
+# ============================================================================ summary
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _question_speeds(rows: Sequence[dict]) -> dict[tuple, float]:
+    """(task kind, question id) -> tokens/s over all turns of that question."""
+    tokens: dict[tuple, int] = {}
+    seconds: dict[tuple, float] = {}
+    for row in rows:
+        key = (row["task_kind"], row["question_id"])
+        tokens[key] = tokens.get(key, 0) + row["num_tokens"]
+        seconds[key] = seconds.get(key, 0.0) + row["seconds"]
+    return {key: tokens[key] / seconds[key] for key in tokens if seconds[key] > 0}
+
+
+def _cell(rows: Sequence[dict]) -> dict:
+    """tokens/s (mean over questions) and pooled tau of some rows of one method."""
+    speeds = list(_question_speeds(rows).values())
+    steps = [row["tau_steps"] for row in rows if row["tau_steps"]]
+    step_tokens = [row["tau_tokens"] for row in rows if row["tau_steps"]]
+    return {
+        "questions": len({row["question_id"] for row in rows}),
+        "tokens_per_s": _mean(speeds),
+        "tau": sum(step_tokens) / sum(steps) if steps else None,
+        "mean_new_tokens": _mean([row["num_tokens"] for row in rows]),
+    }
+
+
+def _latency_split(rows: Sequence[dict]) -> dict | None:
+    """ms per generated token: draft / verify / other (from SpecStats timers), or total for peers."""
+    generated = sum(row["num_tokens"] for row in rows)
+    wall = sum(row["seconds"] for row in rows)
+    if not generated:
+        return None
+    with_stats = [row["stats"] for row in rows if row["stats"] is not None]
+    if len(with_stats) != len(rows):
+        return {"total": 1000.0 * wall / generated}
+    draft = sum(stats["time_draft_s"] for stats in with_stats)
+    verify = sum(stats["time_verify_s"] for stats in with_stats)
+    return {
+        "draft": 1000.0 * draft / generated,
+        "verify": 1000.0 * verify / generated,
+        "other": 1000.0 * max(0.0, wall - draft - verify) / generated,
+    }
+
+
+def method_summary_rows(rows: Sequence[dict], methods: Sequence[dict], kinds: Sequence[str]) -> dict:
+    """The summary table: per method, per task kind and overall, tokens/s, speedup vs plain and tau."""
+    by_method: dict[str, list[dict]] = {}
+    for row in rows:
+        by_method.setdefault(row["method"], []).append(row)
+    baseline_rows = by_method.get(BASELINE, [])
+    baseline = {kind: _cell([r for r in baseline_rows if r["task_kind"] == kind]) for kind in kinds}
+    baseline[OVERALL] = _cell(baseline_rows)
+    summary: dict = {"baseline": BASELINE, "kinds": list(kinds), "methods": {}}
+    for info in methods:
+        label = info["label"]
+        entry = {key: info[key] for key in ("status", "reason", "exact", "peer", "description")}
+        method_rows = by_method.get(label, [])
+        if info["status"] == "ok":
+            cells = {kind: _cell([r for r in method_rows if r["task_kind"] == kind]) for kind in kinds}
+            cells[OVERALL] = _cell(method_rows)
+            for kind, cell in cells.items():
+                base = baseline[kind]["tokens_per_s"]
+                mine = cell["tokens_per_s"]
+                cell["speedup"] = mine / base if mine is not None and base else None
+            histogram = SpecStats.combine(
+                SpecStats.from_dict(r["stats"]) for r in method_rows if r["stats"] is not None
+            ).tau_histogram
+            entry.update(
+                per_kind={kind: cells[kind] for kind in kinds},
+                overall=cells[OVERALL],
+                tau_histogram={str(k): v for k, v in sorted(histogram.items())},
+                latency_ms_per_token=_latency_split(method_rows),
+                checked=sum(1 for r in method_rows if r["matches_plain"] is not None),
+                mismatches=sum(1 for r in method_rows if r["matches_plain"] is False),
+            )
+        summary["methods"][label] = entry
+    return summary
+
+
+# ============================================================================ markdown
+
+
+def _format_cell(cell: dict) -> str:
+    if cell["speedup"] is None:
+        return "-"
+    tau = "" if cell["tau"] is None else f" (τ {cell['tau']:.2f})"
+    return f"{cell['speedup']:.2f}x{tau}"
+
+
+def _output_check(entry: dict, greedy: bool) -> str:
+    if not greedy:
+        return "not checked (sampling)"
+    if entry["mismatches"]:
+        verdict = "FAIL" if entry["exact"] else "warning"
+        return f"{verdict}: {entry['mismatches']}/{entry['checked']} differ"
+    return f"= plain ({entry['checked']})" if entry["checked"] else "reference"
+
+
+def markdown_table(summary: dict, config: dict) -> str:
+    kinds = summary["kinds"]
+    greedy = bool(config.get("equality_checked", True))
+    sampling = "greedy" if greedy else f"temperature {config.get('temperature')}"
+    limit = config.get("limit_per_kind")
+    per_kind = "all questions" if limit is None else f"{limit} per task kind"
+    lines = [
+        f"## specdec bench: {config.get('target_name', '?')} ({sampling}, max {config.get('max_new_tokens')} new "
+        f"tokens, {config.get('questions')} questions: {per_kind}, gamma {config.get('gamma')})",
+        "",
+        "Speedup vs specdec plain decoding in the same run (mean tokens/s per question), τ in parentheses.",
+        "",
+        "| method | " + " | ".join(TASK_KIND_TITLES[k] for k in kinds) + " | Overall | tokens/s | output vs plain |",
+        "|---|" + "---|" * (len(kinds) + 3),
+    ]
+    notes = []
+    for label, entry in summary["methods"].items():
+        if entry["status"] != "ok":
+            lines.append(f"| {label} | " + " | ".join("n/a" for _ in kinds) + f" | n/a | n/a | n/a: {entry['reason']} |")
+            continue
+        cells = [_format_cell(entry["per_kind"][k]) for k in kinds] + [_format_cell(entry["overall"])]
+        speed = entry["overall"]["tokens_per_s"]
+        speed_text = "-" if speed is None else f"{speed:.2f}"
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {speed_text} | {_output_check(entry, greedy)} |")
+        if entry["peer"]:
+            notes.append(label)
+    lines.append("")
+    lines.append("τ = mean tokens per verify step (accepted draft tokens + the bonus/correction token).")
+    if notes:
+        lines.append(f"For transformers peers ({', '.join(notes)}) τ = tokens per target forward; their output "
+                     "is compared with plain decoding as a warning only (a different float path).")
+    return "\n".join(lines)
+
+
+# ============================================================================ plots
+
+
+def _plot_speedup(summary: dict, path: Path, plt) -> None:
+    ok = {label: e for label, e in summary["methods"].items() if e["status"] == "ok"}
+    groups = summary["kinds"] + [OVERALL]
+    titles = [TASK_KIND_TITLES.get(k, "Overall").replace(" ", "\n", 1) for k in groups]
+    width = 0.8 / max(1, len(ok))
+    figure, axes = plt.subplots(figsize=(max(8, 1.6 * len(groups)), 4.5))
+    for index, (label, entry) in enumerate(ok.items()):
+        cells = [entry["per_kind"][k] if k != OVERALL else entry["overall"] for k in groups]
+        values = [c["speedup"] if c["speedup"] is not None else math.nan for c in cells]
+        axes.bar([g + (index - (len(ok) - 1) / 2) * width for g in range(len(groups))], values, width, label=label)
+    axes.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    axes.set_xticks(range(len(groups)), titles, fontsize=8)
+    axes.set_ylabel("speedup vs plain decoding")
+    axes.set_title("Speedup per task kind")
+    axes.legend(fontsize=7, ncol=min(4, max(1, len(ok))))
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _plot_tau_histogram(summary: dict, path: Path, plt) -> None:
+    with_hist = {label: e["tau_histogram"] for label, e in summary["methods"].items()
+                 if e["status"] == "ok" and e.get("tau_histogram")}
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    if with_hist:
+        largest = max(int(k) for hist in with_hist.values() for k in hist)
+        width = 0.8 / len(with_hist)
+        for index, (label, hist) in enumerate(with_hist.items()):
+            total = sum(hist.values())
+            fractions = [hist.get(str(k), 0) / total for k in range(1, largest + 1)]
+            axes.bar([k + (index - (len(with_hist) - 1) / 2) * width for k in range(1, largest + 1)], fractions,
+                     width, label=label)
+        axes.set_xticks(range(1, largest + 1))
+        axes.legend(fontsize=7)
+    else:
+        axes.text(0.5, 0.5, "no speculative statistics", ha="center", va="center", transform=axes.transAxes)
+    axes.set_xlabel("tokens emitted per verify step (τ of the step)")
+    axes.set_ylabel("fraction of steps")
+    axes.set_title("τ histogram per method")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _plot_latency_split(summary: dict, path: Path, plt) -> None:
+    splits = {label: e["latency_ms_per_token"] for label, e in summary["methods"].items()
+              if e["status"] == "ok" and e.get("latency_ms_per_token")}
+    figure, axes = plt.subplots(figsize=(max(6, 1.1 * len(splits) + 2), 4.5))
+    labels = list(splits)
+    bottoms = [0.0] * len(labels)
+    # T_draft / T_verify / other for specdec methods; peers have one unsplit total
+    for part, colour in (("draft", "tab:orange"), ("verify", "tab:blue"), ("other", "tab:gray"), ("total", "tab:purple")):
+        values = [splits[label].get(part, 0.0) for label in labels]
+        if any(values):
+            name = "total (not split)" if part == "total" else f"T_{part}" if part != "other" else "other"
+            axes.bar(range(len(labels)), values, 0.6, bottom=bottoms, label=name, color=colour)
+            bottoms = [b + v for b, v in zip(bottoms, values)]
+    axes.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
+    axes.set_ylabel("ms per generated token")
+    axes.set_title("Latency split per method")
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def write_plots(summary: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    paths = [out_dir / name for name in PLOT_FILES]
+    for plot, path in zip((_plot_speedup, _plot_tau_histogram, _plot_latency_split), paths):
+        plot(summary, path, plt)
+    return paths
+
+
+# ============================================================================ files
+
+
+def write_reports(out_dir: Path, config: dict, rows: list[dict], methods: list[dict], summary: dict,
+                  mismatches: list[dict]) -> str:
+    """results.json, results.md and the plots in `out_dir`; returns the Markdown text."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    document = {"config": config, "methods": methods, "summary": summary, "mismatches": mismatches, "rows": rows}
+    (out_dir / "results.json").write_text(json.dumps(document, indent=1, default=str))
+    markdown = markdown_table(summary, config)
+    if mismatches:
+        markdown += "\n\nOutputs that differ from plain decoding (first differing output position):\n\n"
+        markdown += "\n".join(
+            f"- {'FAIL' if m['exact'] else 'warning'}: {m['method']} question {m['question_id']} turn {m['turn']} "
+            f"position {m['position']}: plain {m['plain']} vs {m['got']}" for m in mismatches
+        )
+    (out_dir / "results.md").write_text(markdown + "\n")
+    write_plots(summary, out_dir)
+    return markdown

@@ -1,0 +1,463 @@
+"""`specdec bench`: every method on every selected Spec-Bench question, on one target, in one run.
+
+Order of work:
+    1. load questions (Spec-Bench jsonl) and pick `limit_per_kind` per task kind (or all: --full)
+    2. phase 1, the specdec methods (`plain` first: it is the speed baseline AND the reference
+       output), each: build, one untimed warm-up, then every question (both turns for
+       multi-turn questions; turn 2 follows the method's own turn-1 answer, as in Spec-Bench)
+    3. free them, load the transformers copy of the target, phase 2: the peers (`hf-*`)
+    4. greedy runs: every output is compared with plain decoding, question by question and turn
+       by turn; a specdec method that differs fails the run (exit code 1), a peer only warns
+    5. results.json, results.md and PNG plots in --out; the Markdown table is printed
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from . import METHODS, BenchMethod, MethodEntry, MethodOutput, MethodUnavailable, register_method_factory
+from . import peers as _peers  # noqa: F401  (registers the hf-* methods)
+from .questions import TASK_KINDS, Question, default_questions_path, load_questions, select_questions
+from .report import BASELINE, method_summary_rows, write_reports
+from ..budget import FixedBudget, auto_budget_policy
+from ..loop import run as run_loop
+from ..sampling import SamplingParams
+
+DEFAULT_METHODS = "plain,pld,suffix,lookahead,small-model,hf-plain,hf-assisted,hf-pld"
+DEFAULT_TARGET = "smollm2-135m"
+QUICK_LIMIT_PER_KIND = 3
+DEFAULT_MAX_NEW_TOKENS = 128
+WARMUP_TOKENS = 16
+# target -> its same-tokenizer draft model (MODELS.md): used by small-model and hf-assisted
+DEFAULT_DRAFT_FOR_TARGET = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
+
+
+@dataclass
+class BenchConfig:
+    methods: list[str] = field(default_factory=lambda: DEFAULT_METHODS.split(","))
+    target: str = DEFAULT_TARGET  # registry name / HF dir / .gguf (ignored when a loaded target is passed)
+    draft_model: str | None = None  # None = DEFAULT_DRAFT_FOR_TARGET[target], else no draft model
+    questions_path: str | None = None  # None = default_questions_path()
+    task_kinds: list[str] | None = None  # None = all six
+    limit_per_kind: int | None = QUICK_LIMIT_PER_KIND  # None = every question
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    gamma: str | int = "auto"  # "auto" = cost-model budget per step, or a fixed draft length / node budget
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    dtype: str = "float32"
+    out_dir: str | None = None  # None = runs/bench-<timestamp>
+    warmup: bool = True
+    progress: bool = True
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
+
+
+@dataclass
+class MethodSpec:
+    label: str  # as written: "pld:max_ngram=3" (the name the results use)
+    name: str  # "pld"
+    options: dict[str, str]  # raw option strings
+
+    @classmethod
+    def parse(cls, text: str) -> MethodSpec:
+        """`name` or `name:key=value:key=value`."""
+        text = text.strip()
+        name, *pairs = text.split(":")
+        if not name:
+            raise ValueError(f"method {text!r} has no name; write NAME or NAME:KEY=VALUE:KEY=VALUE")
+        options = {}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep or not key:
+                raise ValueError(f"method {text!r}: option {pair!r} is not KEY=VALUE")
+            options[key.replace("-", "_")] = value
+        return cls(text, name, options)
+
+
+@dataclass
+class BenchResult:
+    exit_code: int  # 0 = ok, 1 = a specdec method's greedy output differed from plain decoding
+    out_dir: Path
+    rows: list[dict]
+    methods: list[dict]  # per method: label, status ("ok" | "n/a"), reason, exact, peer, description
+    summary: dict
+    mismatches: list[dict]
+    markdown: str
+
+
+# ============================================================================ specdec methods
+
+
+class SpecdecMethod(BenchMethod):
+    """specdec's loop with a drafter (None = plain decoding); the budget policy is built once."""
+
+    def __init__(self, target, drafter, gamma: str | int, description: str):
+        self.target, self.drafter, self.description = target, drafter, description
+        if drafter is None:
+            self.policy = FixedBudget()
+        elif gamma == "auto":
+            self.policy = auto_budget_policy(target, drafter)  # measures the cost table once (cached on disk)
+        else:
+            self.policy = FixedBudget(int(gamma))
+
+    def generate(self, prompt_ids, max_new_tokens, sampling) -> MethodOutput:
+        start = time.perf_counter()
+        steps = run_loop(self.target, [list(prompt_ids)], self.drafter, max_new_tokens, sampling, (), self.policy)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as finished:
+                generation = finished.value[0]
+                break
+        generation.stats.time_total_s += time.perf_counter() - start
+        return MethodOutput(generation.tokens, generation.stats)
+
+    def close(self) -> None:
+        self.target = self.drafter = self.policy = None
+
+
+def _build_plain(target, options: dict, config) -> BenchMethod:
+    if options:
+        raise ValueError(f"method 'plain' takes no options, got {sorted(options)}")
+    return SpecdecMethod(target, None, config.gamma, "specdec plain decoding (baseline)")
+
+
+register_method_factory(BASELINE, _build_plain, help="specdec plain decoding: the baseline and reference output")
+
+
+def _drafter_entry(name: str) -> MethodEntry | None:
+    """A registered specdec drafter as a bench method, or None when there is no such drafter."""
+    from ..drafters import DRAFTERS, _load_all
+
+    _load_all()
+    if name not in DRAFTERS:
+        return None
+    drafter_class = DRAFTERS[name]
+
+    def build(target, options: dict, config) -> BenchMethod:
+        from ..cli import drafter_options
+        from ..drafters import make_drafter
+
+        try:
+            typed = drafter_options(name, [f"{key}={value}" for key, value in options.items()])
+        except ValueError as error:
+            raise ValueError(f"method {name!r}: {error}") from None
+        params = inspect.signature(drafter_class.__init__).parameters
+        # model-based drafters: the run's draft model, unless the method names its own
+        if "draft_model" in params and "draft_model" not in typed and "draft_target" not in typed:
+            if not config.draft_model:
+                raise MethodUnavailable(f"no draft model for this target (pass --draft-model NAME or {name}:draft_model=NAME)")
+            typed["draft_model"] = config.draft_model
+        try:
+            drafter = make_drafter(name, target, **typed)
+        except (ValueError, FileNotFoundError, NotImplementedError) as error:
+            raise MethodUnavailable(f"{type(error).__name__}: {error}") from None
+        summary = (drafter_class.__doc__ or name).strip().splitlines()[0]
+        settings = ", ".join(f"{k}={v}" for k, v in typed.items())
+        return SpecdecMethod(target, drafter, config.gamma, f"{summary}{f' ({settings})' if settings else ''}")
+
+    return MethodEntry(build, peer=False, help=(drafter_class.__doc__ or "").strip())
+
+
+def resolve_method(name: str) -> MethodEntry:
+    """Bench registry first (plain, peers, registered callables), then specdec drafters."""
+    entry = METHODS.get(name) or _drafter_entry(name)
+    if entry is None:
+        from ..drafters import DRAFTERS
+
+        known = sorted(set(METHODS) | set(DRAFTERS))
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(known)}")
+    return entry
+
+
+# ============================================================================ running
+
+
+def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
+    """Run the benchmark; pass an already loaded `target` to skip loading `config.target`."""
+    specs = [MethodSpec.parse(text) for text in config.methods if text.strip()]
+    if BASELINE not in [spec.label for spec in specs]:
+        specs.insert(0, MethodSpec.parse(BASELINE))  # the baseline and reference output are always needed
+    labels = [spec.label for spec in specs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"a method is listed twice: {labels}")
+    if config.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {config.max_new_tokens}")
+    if config.gamma != "auto" and (not str(config.gamma).isdigit()):
+        raise ValueError(f"gamma must be 'auto' or an integer >= 0, got {config.gamma!r}")
+    entries = {spec.label: resolve_method(spec.name) for spec in specs}  # unknown names fail before loading
+    specs.sort(key=lambda spec: (entries[spec.label].peer, spec.label != BASELINE))  # plain, specdec..., peers
+    sampling = config.sampling()  # validates temperature / top-k / top-p
+    questions_path = Path(config.questions_path) if config.questions_path else default_questions_path()
+    questions = select_questions(load_questions(questions_path), config.limit_per_kind, config.task_kinds)
+    out_dir = Path(config.out_dir) if config.out_dir else Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
+
+    owns_target = target is None
+    if owns_target:
+        from ..api import load_target
+
+        target = load_target(config.target, dtype=config.dtype, progress=config.progress)
+    if config.draft_model is None:  # a copy: the caller's config is left as given
+        config = replace(config, draft_model=DEFAULT_DRAFT_FOR_TARGET.get(config.target if owns_target else str(target.name)))
+    run = _Run(config, questions, sampling)
+
+    for spec in [s for s in specs if not entries[s.label].peer]:
+        run.method(spec, entries[spec.label], target)
+    model_dir, target_name = getattr(target, "model_dir", None), str(target.name)
+    peer_specs = [s for s in specs if entries[s.label].peer]
+    if peer_specs:
+        peer_target, reason = _peer_target(target, config.dtype)
+        if owns_target and peer_target is not target:
+            del target  # never hold the native and the transformers copy of a large target together
+            gc.collect()
+        for spec in peer_specs:
+            if peer_target is None:
+                run.unavailable(spec, entries[spec.label], reason)
+            else:
+                run.method(spec, entries[spec.label], peer_target)
+        peer_target = None
+        gc.collect()
+
+    config_record = {
+        **asdict(config),
+        "target_name": target_name,
+        "model_dir": str(model_dir) if model_dir else None,
+        "questions_path": str(questions_path),
+        "questions": len(questions),
+        "equality_checked": sampling.greedy,
+        **_environment(),
+    }
+    summary = method_summary_rows(run.rows, run.methods, [k for k in TASK_KINDS if any(q.task_kind == k for q in questions)])
+    markdown = write_reports(out_dir, config_record, run.rows, run.methods, summary, run.mismatches)
+    failed = [m for m in run.mismatches if m["exact"]]
+    if failed:
+        print(f"FAILED: {len(failed)} output(s) of specdec methods differ from plain decoding (see above)", file=sys.stderr)
+    return BenchResult(1 if failed else 0, out_dir, run.rows, run.methods, summary, run.mismatches, markdown)
+
+
+def _peer_target(target, dtype: str):
+    """The transformers copy of the target for the peers: (HFTarget, None) or (None, why not)."""
+    from ..models.hf import HFTarget
+
+    if isinstance(target, HFTarget):
+        return target, None
+    model_dir = getattr(target, "model_dir", None)
+    if model_dir is None:
+        return None, "the target has no HF model directory to load with transformers"
+    return HFTarget.from_dir(model_dir, dtype=dtype, name=str(target.name)), None
+
+
+def _environment() -> dict:
+    import platform
+
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+            "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+class _Run:
+    """Per-turn rows, method records and mismatches of one benchmark run."""
+
+    def __init__(self, config: BenchConfig, questions: list[Question], sampling: SamplingParams):
+        self.config, self.questions, self.sampling = config, questions, sampling
+        self.rows: list[dict] = []
+        self.methods: list[dict] = []
+        self.mismatches: list[dict] = []
+        self.reference: dict[tuple, list[int]] = {}  # (question_id, turn) -> plain decoding's tokens
+
+    def unavailable(self, spec: MethodSpec, entry: MethodEntry, reason: str) -> None:
+        print(f"n/a: {spec.label}: {reason}", file=sys.stderr)
+        self.methods.append(dict(label=spec.label, status="n/a", reason=reason, exact=not entry.peer,
+                                 peer=entry.peer, description=entry.help.splitlines()[0] if entry.help else ""))
+
+    def method(self, spec: MethodSpec, entry: MethodEntry, target) -> None:
+        try:
+            method = entry.build(target, dict(spec.options), self.config)
+        except MethodUnavailable as why:
+            self.unavailable(spec, entry, str(why))
+            return
+        try:
+            self.methods.append(dict(label=spec.label, status="ok", reason=None, exact=method.exact,
+                                     peer=entry.peer, description=method.description))
+            if self.config.warmup:  # first calls pay for lazy init / allocator growth: not timed
+                first = target.encode_prompt([{"role": "user", "content": self.questions[0].turns[0]}])
+                method.generate(first, min(WARMUP_TOKENS, self.config.max_new_tokens), self.sampling)
+            with _progress(self.config.progress, spec.label, sum(len(q.turns) for q in self.questions)) as advance:
+                for question in self.questions:
+                    self._question(spec.label, method, target, question, advance)
+        finally:
+            method.close()
+            del method
+            gc.collect()
+
+    def _question(self, label: str, method: BenchMethod, target, question: Question, advance) -> None:
+        messages: list[dict] = []
+        for turn, text in enumerate(question.turns, start=1):
+            messages.append({"role": "user", "content": text})
+            prompt_ids = target.encode_prompt(list(messages))
+            start = time.perf_counter()
+            output = method.generate(prompt_ids, self.config.max_new_tokens, self.sampling)
+            seconds = time.perf_counter() - start
+            self.rows.append(self._row(label, method, question, turn, prompt_ids, output, seconds))
+            # the next turn follows this method's own answer (Spec-Bench)
+            messages.append({"role": "assistant", "content": target.decode(output.tokens)})
+            advance()
+
+    def _row(self, label, method, question: Question, turn, prompt_ids, output: MethodOutput, seconds) -> dict:
+        tokens = list(output.tokens)
+        stats = output.stats
+        if stats is not None:
+            steps, step_tokens, tau = stats.steps, stats.step_tokens, (stats.tau if stats.steps else None)
+        elif output.target_forwards:
+            steps, step_tokens, tau = output.target_forwards, len(tokens), len(tokens) / output.target_forwards
+        else:
+            steps = step_tokens = tau = None
+        row = dict(
+            method=label, question_id=question.question_id, category=question.category,
+            task_kind=question.task_kind, turn=turn, prompt_tokens=len(prompt_ids), num_tokens=len(tokens),
+            seconds=seconds, tokens_per_s=len(tokens) / seconds if seconds > 0 else None, tau=tau,
+            tau_steps=steps, tau_tokens=step_tokens, target_forwards=output.target_forwards,
+            stats=stats.to_dict() if stats is not None else None, tokens=tokens,
+            matches_plain=None, first_mismatch=None,
+        )
+        self._check(row, method.exact)
+        return row
+
+    def _check(self, row: dict, exact: bool) -> None:
+        """Greedy: compare with plain decoding's tokens for the same question and turn."""
+        if not self.sampling.greedy:
+            return
+        key = (row["question_id"], row["turn"])
+        if row["method"] == BASELINE:
+            self.reference[key] = row["tokens"]
+            row["matches_plain"] = True
+            return
+        reference = self.reference.get(key)
+        if reference is None:
+            return
+        position = _first_difference(reference, row["tokens"])
+        row["matches_plain"] = position is None
+        if position is None:
+            return
+        row["first_mismatch"] = position
+        expected = reference[position] if position < len(reference) else "<end>"
+        got = row["tokens"][position] if position < len(row["tokens"]) else "<end>"
+        self.mismatches.append(dict(method=row["method"], question_id=row["question_id"], turn=row["turn"],
+                                    position=position, plain=expected, got=got, exact=exact))
+        level = "MISMATCH" if exact else "WARNING (peer differs from plain)"
+        print(f"{level}: method {row['method']!r} question {row['question_id']} ({row['category']}) turn {row['turn']}: "
+              f"first difference at output position {position}: plain {expected} vs {got}", file=sys.stderr)
+
+
+def _first_difference(expected: list[int], got: list[int]) -> int | None:
+    for position, (a, b) in enumerate(zip(expected, got)):
+        if a != b:
+            return position
+    return None if len(expected) == len(got) else min(len(expected), len(got))
+
+
+class _progress:
+    """A rich progress bar for one method (no-op when disabled); yields `advance()`."""
+
+    def __init__(self, enabled: bool, label: str, total: int):
+        self.enabled, self.label, self.total = enabled, label, total
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda: None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            console=Console(stderr=True))
+        self.bar.__enter__()
+        task = self.bar.add_task(self.label, total=self.total)
+        return lambda: self.bar.advance(task)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.bar.__exit__(*exc)
+        return False
+
+
+# ============================================================================ CLI
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--methods", default=DEFAULT_METHODS,
+                        help="comma-separated: plain, drafter names (`specdec drafters`), hf-plain, hf-assisted, hf-pld; "
+                             "options as NAME:KEY=VALUE:KEY=VALUE (default: %(default)s)")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="target model: registry name, HF dir or .gguf")
+    parser.add_argument("--draft-model", default=None,
+                        help="draft model for small-model and hf-assisted (default: qwen2.5-coder-0.5b for "
+                             "qwen2.5-coder-1.5b, else none)")
+    parser.add_argument("--questions", default=None, help=f"Spec-Bench questions jsonl (default: {default_questions_path()})")
+    parser.add_argument("--kinds", default=None, help=f"comma-separated task kinds (default: all of {', '.join(TASK_KINDS)})")
+    parser.add_argument("--limit-per-category", type=int, default=None, metavar="N",
+                        help=f"questions per task kind (quick profile default: {QUICK_LIMIT_PER_KIND})")
+    parser.add_argument("--full", action="store_true", help="every question (instead of the quick profile)")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    parser.add_argument("--gamma", default="auto", help="'auto' (cost model) or a fixed draft length / node budget")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are checked against plain)")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--out", default=None, help="output folder (default: runs/bench-<timestamp>)")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation per method")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    if args.full and args.limit_per_category is not None:
+        raise ValueError("--full runs every question; do not combine it with --limit-per-category")
+    gamma = args.gamma if args.gamma == "auto" else _parse_gamma(args.gamma)
+    return BenchConfig(
+        methods=[m for m in args.methods.split(",") if m.strip()],
+        target=args.target,
+        draft_model=args.draft_model,
+        questions_path=args.questions,
+        task_kinds=[k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None,
+        limit_per_kind=None if args.full else (
+            QUICK_LIMIT_PER_KIND if args.limit_per_category is None else args.limit_per_category
+        ),
+        max_new_tokens=args.max_new_tokens,
+        gamma=gamma,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        dtype=args.dtype,
+        out_dir=args.out,
+        warmup=not args.no_warmup,
+        progress=not args.no_progress,
+    )
+
+
+def _parse_gamma(raw: str) -> int:
+    try:
+        gamma = int(raw)
+    except ValueError:
+        raise ValueError(f"--gamma must be 'auto' or an integer >= 0, got {raw!r}") from None
+    if gamma < 0:
+        raise ValueError(f"--gamma must be 'auto' or an integer >= 0, got {raw!r}")
+    return gamma
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """CLI entry (`specdec bench`): run, write results, print the Markdown table; 1 on a mismatch."""
+    result = run_benchmark(config_from_args(args))
+    print(result.markdown)
+    print(f"\nresults: {result.out_dir}/results.json, results.md, *.png", file=sys.stderr)
+    return result.exit_code

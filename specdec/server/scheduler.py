@@ -1,0 +1,307 @@
+"""Continuous batching: one background thread owns the target and the SpecBatch.
+
+HTTP handlers never touch torch. They `submit()` a `GenerationRequest` and read its events
+from an asyncio queue; the scheduler thread loops:
+
+    1. drop cancelled requests (waiting: forget them; running: `batch.remove`, freeing the row)
+    2. admit waiting requests up to `max_running` (`batch.add`: one ragged prefill for all)
+    3. `batch.step()`: one draft -> verify over every running sequence; the budget policy sees
+       the whole batch, so speculation shrinks as load grows (AutoBudget, load-aware)
+    4. push each request's newly committed tokens (`seq.last_committed`) to its event loop with
+       `call_soon_threadsafe`; a finished sequence gets its final text, reason and stats
+
+`TextDeltas` turns a growing token list into text deltas for streaming: it holds back an
+incomplete UTF-8 character and any tail that could be the start of a stop string, and its
+pieces always concatenate to the non-streamed text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..budget import FixedBudget
+from ..loop import SpecBatch
+from ..sampling import SamplingParams
+from ..stats import SpecStats
+from .metrics import ServerMetrics
+
+log = logging.getLogger("specdec.server")
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at --max-queue (HTTP 429)."""
+
+
+class SchedulerStoppedError(RuntimeError):
+    """The scheduler is not running (server starting up or shutting down; HTTP 503)."""
+
+
+@dataclass
+class TokensEvent:
+    tokens: list[int]  # tokens committed for this request in one step (prefill or verify)
+
+
+@dataclass
+class FinishedEvent:
+    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
+    text: str  # the whole output text (a matched stop string and what follows it cut off)
+    output_tokens: list[int]
+    stats: SpecStats
+    error: str | None = None
+
+
+_request_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class GenerationRequest:
+    """One request as the scheduler sees it; `events` lives on the handler's event loop."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    request_id: int = field(default_factory=lambda: next(_request_ids))
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    cancelled: bool = False  # set from the event loop; read by the scheduler between steps
+    sequence: object | None = None  # the SpecBatch sequence while admitted
+
+    @classmethod
+    def create(cls, prompt_ids, sampling, max_tokens, stop=()) -> GenerationRequest:
+        """Build on the event loop that will read the events (captures the running loop)."""
+        return cls(list(prompt_ids), sampling, max_tokens, tuple(stop), asyncio.get_running_loop(), asyncio.Queue())
+
+
+class Scheduler:
+    """Owns the target, the drafter and the SpecBatch; runs on its own thread."""
+
+    def __init__(self, target, drafter=None, budget_policy=None, max_running: int = 8, max_queue: int = 64,
+                 max_model_len: int = 2048, metrics: ServerMetrics | None = None):
+        if max_running < 1 or max_queue < 0 or max_model_len < 2:
+            raise ValueError(f"need max_running >= 1, max_queue >= 0, max_model_len >= 2; got "
+                             f"{max_running}, {max_queue}, {max_model_len}")
+        self.target = target
+        self.max_running, self.max_queue, self.max_model_len = max_running, max_queue, max_model_len
+        self.metrics = metrics or ServerMetrics()
+        policy = budget_policy or FixedBudget()
+        # size the cache so any prompt + max_tokens <= max_model_len fits with the largest draft block
+        draft_room = policy.max_budget_for(drafter) if drafter is not None else 0
+        self.batch = SpecBatch(target, drafter, policy, max_batch=max_running, max_len=max_model_len + draft_room + 2)
+        self._waiting: collections.deque[GenerationRequest] = collections.deque()
+        self._running: dict[object, GenerationRequest] = {}  # SpecBatch sequence -> request
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ public, any thread
+    @property
+    def queue_length(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self.alive:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="specdec-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue a request; QueueFullError when --max-queue requests already wait."""
+        with self._wake:
+            if not self.alive or self._stopping:
+                raise SchedulerStoppedError("the generation scheduler is not running")
+            if len(self._waiting) >= self.max_queue and len(self._running) + len(self._waiting) >= self.max_running:
+                raise QueueFullError(f"server busy: {len(self._waiting)} requests already waiting (max {self.max_queue})")
+            self._waiting.append(request)
+            self._wake.notify_all()
+
+    def cancel(self, request: GenerationRequest) -> None:
+        """The client went away: the scheduler drops the request and frees its row before the next step."""
+        with self._wake:
+            request.cancelled = True
+            self._wake.notify_all()
+
+    # ------------------------------------------------------------------ the scheduler thread
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self._waiting and not self._running:
+                    self._wake.wait()
+                if self._stopping:
+                    break
+                cancelled_waiting = [r for r in self._waiting if r.cancelled]
+                for request in cancelled_waiting:
+                    self._waiting.remove(request)
+                room = self.max_running - len(self._running)
+                admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+            for request in cancelled_waiting:
+                self._push(request, FinishedEvent("cancelled", "", [], SpecStats()))
+            self._drop_cancelled()
+            if admitted:
+                self._guarded(self._admit, admitted)
+            if self.batch.seqs:
+                self._guarded(self._step, None)
+            self._drop_orphans()
+        self._fail_all("the server is shutting down")
+
+    def _guarded(self, action, argument) -> None:
+        """Run one batch action; on an unexpected error fail the affected requests, keep serving."""
+        try:
+            action(argument) if argument is not None else action()
+        except Exception as error:  # noqa: BLE001 - a bug must not kill the server thread
+            log.exception("generation failed")
+            affected = argument if argument is not None else list(self._running.values())
+            for request in affected:
+                self._finish_with_error(request, f"generation failed: {type(error).__name__}: {error}")
+
+    def _admit(self, requests: list[GenerationRequest]) -> None:
+        live = [r for r in requests if not r.cancelled]
+        for request in requests:
+            if request.cancelled:
+                self._push(request, FinishedEvent("cancelled", "", [], SpecStats()))
+        if not live:
+            return
+        seqs = self.batch.add([r.prompt_ids for r in live], [r.sampling for r in live],
+                              [r.max_tokens for r in live], [r.stop for r in live])
+        self.metrics.record_forward(len(live), verify=False)
+        for request, seq in zip(live, seqs):
+            request.sequence = seq
+            self._running[seq] = request
+            self.metrics.record_admitted(len(request.prompt_ids))
+        self._deliver(seqs)
+
+    def _step(self) -> None:
+        ran = self.batch.step()
+        self.metrics.record_forward(len(ran), verify=True)
+        self._deliver(ran)
+
+    def _deliver(self, seqs) -> None:
+        now = time.perf_counter()
+        for seq in seqs:
+            request = self._running.get(seq)
+            if request is None:
+                continue
+            if seq.last_committed:
+                if request.first_token_at is None:
+                    request.first_token_at = now
+                    self.metrics.record_first_token(now - request.arrival)
+                self._push(request, TokensEvent(list(seq.last_committed)))
+            if seq.done:
+                self._finish(request, seq.finish_reason)
+
+    def _drop_cancelled(self) -> None:
+        for seq, request in list(self._running.items()):
+            if request.cancelled:
+                if seq in self.batch.seqs:
+                    self.batch.remove(seq)  # frees the cache row now
+                self._finish(request, "cancelled")
+
+    def _drop_orphans(self) -> None:
+        """A request whose sequence left the batch without being delivered (cannot happen) must not hang."""
+        if len(self._running) != len(self.batch.seqs):
+            for seq, request in list(self._running.items()):
+                if seq not in self.batch.seqs:
+                    self._finish(request, seq.finish_reason or "cancelled")
+
+    def _finish(self, request: GenerationRequest, reason: str) -> None:
+        seq = request.sequence
+        self._running.pop(seq, None)
+        output = list(seq.ctx.output_tokens)
+        text = self.target.decode(output)
+        if seq.stop_text_cut is not None:
+            text = text[: seq.stop_text_cut]
+        decode_seconds = time.perf_counter() - request.first_token_at if request.first_token_at else None
+        self.metrics.record_finished(seq.stats, reason, decode_seconds)
+        self._push(request, FinishedEvent(reason, text, output, seq.stats))
+
+    def _finish_with_error(self, request: GenerationRequest, message: str) -> None:
+        seq = request.sequence
+        if seq is not None:
+            self._running.pop(seq, None)
+            if seq in self.batch.seqs:
+                try:
+                    self.batch.remove(seq)
+                except Exception:  # noqa: BLE001 - the row is reset on the next add anyway
+                    log.exception("could not free a cache row")
+        stats = seq.stats if seq is not None else SpecStats()
+        self.metrics.record_finished(stats, "error", None)
+        self._push(request, FinishedEvent("error", "", [], stats, error=message))
+
+    def _fail_all(self, message: str) -> None:
+        with self._wake:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        for request in waiting + list(self._running.values()):
+            self._finish_with_error(request, message)
+
+    @staticmethod
+    def _push(request: GenerationRequest, event) -> None:
+        try:
+            request.loop.call_soon_threadsafe(request.events.put_nowait, event)
+        except RuntimeError:  # the client's event loop is closed: nobody is listening
+            pass
+
+
+class TextDeltas:
+    """Text deltas for streaming that always concatenate to the final (non-streamed) text."""
+
+    def __init__(self, decode, stop_strings=()):
+        self.decode = decode
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        self.tokens: list[int] = []
+        self.sent = ""  # text already handed out
+
+    def push(self, tokens: list[int]) -> str:
+        """Add committed tokens; return the new text that is safe to send (may be "")."""
+        self.tokens.extend(tokens)
+        text = self.decode(self.tokens)
+        safe = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character decodes to U+FFFD
+        safe -= self._possible_stop_prefix(text[:safe])
+        if safe <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        delta = text[len(self.sent) : safe]
+        self.sent += delta
+        return delta
+
+    def finish(self, final_text: str) -> str:
+        """The rest of the final text (the scheduler's text: stop string already cut off)."""
+        if not final_text.startswith(self.sent):  # cannot happen with prefix-stable decoding
+            log.warning("streamed text diverged from the final text")
+            return ""
+        delta = final_text[len(self.sent) :]
+        self.sent = final_text
+        return delta
+
+    def _possible_stop_prefix(self, text: str) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self.stop_strings:
+            for size in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest

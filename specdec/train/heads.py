@@ -1,0 +1,450 @@
+"""Trainable draft heads on a FROZEN target, shared by the trainer and the drafters.
+
+The modules here are the inference modules: the trainer optimises exactly these classes and the
+`medusa` / `mtp` drafters load them from a checkpoint (no copies of the architecture anywhere).
+
+Label convention (every head type): "head position k" (k = 1..K) at sequence position t predicts
+token t + k + 1. Position k = 0 would be the target's own LM head (token t + 1), which the heads
+never replace. At drafting time the newest hidden row belongs to the token BEFORE the root (the
+root is committed but not yet in the target's cache), so head position k proposes draft token k.
+
+Head types (looked up by `kind` in HEAD_TYPES, stored in the checkpoint's config.json):
+
+* `medusa`          — K residual blocks (x + SiLU(W x), W zero-initialised) on the target's last
+                      hidden state (layer num_layers, after the final norm), each followed by the
+                      target's frozen LM head (Medusa-1).
+* `mtp-parallel`    — K independent transformer blocks on one shared trunk state, the input of the
+                      target's last block (layer num_layers - 1), each followed by the target's final
+                      norm and LM head (Gloeckle et al. 2024: every head sees the same trunk state).
+                      Blocks start as copies of the target's last block.
+* `mtp-sequential`  — one DeepSeek-V3-style module chained D times: RMSNorm(previous hidden) and
+                      RMSNorm(embedding of the next token) are concatenated, projected to H, run
+                      through one transformer block, then the target's final norm + LM head. Depth 1
+                      reads the target's last hidden state (layer num_layers); depth d reads the
+                      module's own depth d - 1 output (trained unrolled, the way it drafts).
+
+The target's embeddings, final norm and LM head are used frozen and never saved in a checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kv_cache import KVCache
+from ..models.llama import Block, RMSNorm, _rope_inv_freq
+
+CHECKPOINT_FORMAT = "specdec-draft-heads"
+CHECKPOINT_VERSION = 1
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+LABEL_CONVENTION = "head position k (1..K) at position t predicts token t + k + 1"
+
+
+# ----------------------------------------------------------------------------- frozen target parts
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The target's RMSNorm as a function (normalise in fp32, cast back, scale)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+@dataclass
+class FrozenTargetParts:
+    """The target's embeddings, final norm and LM head, detached (no gradients, never saved)."""
+
+    embed_weight: torch.Tensor  # [V, H]
+    lm_head_weight: torch.Tensor  # [V, H]
+    final_norm_weight: torch.Tensor  # [H]
+    norm_eps: float
+
+    @classmethod
+    def from_target(cls, target) -> FrozenTargetParts:
+        model = getattr(target, "model", None)
+        backbone = getattr(model, "model", None)
+        norm = getattr(backbone, "norm", None)
+        embed = getattr(backbone, "embed_tokens", None)
+        lm_head = getattr(model, "lm_head", None)
+        if norm is None or embed is None or lm_head is None:
+            raise ValueError(
+                f"trained heads need a Llama-family target exposing model.model.embed_tokens, model.model.norm and "
+                f"model.lm_head (specdec's native runtime); {type(target).__name__} {getattr(target, 'name', '')!r} does not"
+            )
+        eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None) or 1e-6
+        return cls(embed.weight.detach(), lm_head.weight.detach(), norm.weight.detach(), float(eps))
+
+    def to(self, device=None, dtype=None) -> FrozenTargetParts:
+        move = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+        return FrozenTargetParts(move(self.embed_weight), move(self.lm_head_weight), move(self.final_norm_weight), self.norm_eps)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.embed_weight)  # [..., H]
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.final_norm_weight, self.norm_eps)
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.lm_head_weight)  # [..., V]
+
+
+def _block_flags(cfg) -> tuple[bool, bool]:
+    """(qk_norm, qkv_bias) exactly as specdec.models.llama.LlamaModel derives them."""
+    return cfg.model_type == "qwen3", cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+
+
+class _KeysOfThisPass:
+    """Duck-typed KVCache for a block during training: returns the keys written so far (no slots).
+
+    Each `write` appends this pass's rotated keys / values; the returned tensors are all of them
+    concatenated along the sequence axis, so an unrolled pass can attend to earlier depths.
+    """
+
+    def __init__(self):
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def write(self, layer_slot: int, keys: torch.Tensor, values: torch.Tensor):
+        self.keys.append(keys)  # [B, H_kv, T, D]
+        self.values.append(values)
+        return torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2)
+
+
+def grow_cache(cache: KVCache, needed: int) -> KVCache:
+    """`cache` if it holds `needed` slots, else a doubled copy (same committed slots)."""
+    if needed <= cache.max_len:
+        return cache
+    keys = cache.keys[0]
+    bigger = KVCache(cache.num_layers, cache.batch_size, keys.shape[1], keys.shape[3], max(needed, 2 * cache.max_len), keys.dtype, keys.device)
+    length = int(cache.lengths.max())
+    for layer in range(cache.num_layers):
+        bigger.keys[layer][:, :, :length] = cache.keys[layer][:, :, :length]
+        bigger.values[layer][:, :, :length] = cache.values[layer][:, :, :length]
+    bigger.lengths.copy_(cache.lengths)
+    return bigger
+
+
+class _Rope(nn.Module):
+    """The target's rotary embedding (same table as LlamaModel.rope), as a non-persistent buffer."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        inv_freq, self.scaling = _rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2]
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+# ----------------------------------------------------------------------------- head types
+class DraftHeads(nn.Module):
+    """Base of every head type: K head positions on one target hidden layer.
+
+    forward(hidden [B, T, H], tokens [B, T], positions [B, T], parts) -> features [K, B, T, H];
+    project(features [..., H], parts) -> logits [..., V]. features[k - 1, b, t] predicts
+    tokens[b, t + k + 1] (LABEL_CONVENTION).
+    """
+
+    kind: ClassVar[str] = ""
+    drafter: ClassVar[str] = ""  # the drafter that runs this head type
+
+    def __init__(self, input_layer: int, num_positions: int):
+        super().__init__()
+        if isinstance(num_positions, bool) or not isinstance(num_positions, int) or num_positions < 1:
+            raise ValueError(f"the number of head positions must be an integer >= 1, got {num_positions!r}")
+        self.input_layer = input_layer
+        self.num_positions = num_positions
+
+    def head_config(self) -> dict:
+        return {"kind": self.kind, "num_positions": self.num_positions, "input_layer": self.input_layer}
+
+    def init_from_target(self, target) -> None:
+        """Initialise trainable weights from the target (called once before training from scratch)."""
+
+    def project(self, features: torch.Tensor, parts: FrozenTargetParts) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class MedusaHeads(DraftHeads):
+    """Medusa-1: head k = `num_blocks` residual SiLU blocks + the target's frozen LM head."""
+
+    kind = "medusa"
+    drafter = "medusa"
+
+    def __init__(self, hidden_size: int, num_layers: int, num_heads: int = 4, num_blocks: int = 1):
+        super().__init__(input_layer=num_layers, num_positions=num_heads)
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+        self.hidden_size, self.num_blocks = hidden_size, num_blocks
+        self.heads = nn.ModuleList(
+            nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_blocks)) for _ in range(num_heads)
+        )
+        for head in self.heads:
+            for linear in head:  # zero init: every head starts as the target's own next-token head
+                nn.init.zeros_(linear.weight)
+                nn.init.zeros_(linear.bias)
+
+    @classmethod
+    def from_config(cls, config: dict, target_config) -> MedusaHeads:
+        return cls(target_config.hidden_size, target_config.num_hidden_layers, config["num_positions"], config.get("num_blocks", 1))
+
+    def head_config(self) -> dict:
+        return {**super().head_config(), "num_blocks": self.num_blocks}
+
+    def forward(self, hidden, tokens=None, positions=None, parts=None) -> torch.Tensor:
+        features = []
+        for head in self.heads:
+            x = hidden  # [..., H]
+            for linear in head:
+                x = x + F.silu(linear(x))
+            features.append(x)
+        return torch.stack(features)  # [K, ..., H]
+
+    def project(self, features, parts):
+        return parts.lm_head(features)
+
+
+class MTPParallelHeads(DraftHeads):
+    """Gloeckle et al.: K transformer blocks reading the same trunk state (layer num_layers - 1)."""
+
+    kind = "mtp-parallel"
+    drafter = "mtp"
+
+    def __init__(self, target_config, num_heads: int = 4):
+        super().__init__(input_layer=target_config.num_hidden_layers - 1, num_positions=num_heads)
+        self.blocks = nn.ModuleList(Block(target_config, *_block_flags(target_config)) for _ in range(num_heads))
+        self.rope = _Rope(target_config)
+
+    @classmethod
+    def from_config(cls, config: dict, target_config) -> MTPParallelHeads:
+        return cls(target_config, config["num_positions"])
+
+    def init_from_target(self, target) -> None:
+        last_block = target.model.model.layers[-1].state_dict()
+        for block in self.blocks:
+            block.load_state_dict({name: tensor.float() for name, tensor in last_block.items()})
+
+    def forward(self, hidden, tokens, positions, parts=None) -> torch.Tensor:
+        num_new = hidden.shape[1]
+        cos, sin = self.rope(positions, hidden.dtype)
+        causal = torch.ones(num_new, num_new, dtype=torch.bool, device=hidden.device).tril()[None, None]  # [1, 1, T, T]
+        return torch.stack([block(hidden, cos, sin, _KeysOfThisPass(), 0, causal) for block in self.blocks])  # [K, B, T, H]
+
+    def project(self, features, parts):
+        return parts.lm_head(parts.final_norm(features))
+
+    # ---- inference: one KV cache slot per head over the committed positions
+    def new_cache(self, max_len: int, dtype: torch.dtype, device) -> KVCache:
+        attn = self.blocks[0].self_attn
+        return KVCache(self.num_positions, 1, attn.num_kv_heads, attn.head_dim, max_len, dtype, device)
+
+    def absorb(self, hidden_rows: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Append committed trunk rows [1, n, H] at positions [1, n]; returns the last row's features [K, H]."""
+        num_new = hidden_rows.shape[1]
+        cos, sin = self.rope(positions, hidden_rows.dtype)
+        mask = None if num_new == 1 else cache.attention_mask(num_new, None)
+        outputs = [block(hidden_rows, cos, sin, cache, slot, mask)[0, -1] for slot, block in enumerate(self.blocks)]
+        cache.advance(num_new)
+        return torch.stack(outputs)  # [K, H]
+
+
+class MTPSequentialModule(DraftHeads):
+    """DeepSeek-V3-style MTP module, chained: depth d combines the depth d - 1 hidden with the next token."""
+
+    kind = "mtp-sequential"
+    drafter = "mtp"
+
+    def __init__(self, target_config, depth: int = 3):
+        super().__init__(input_layer=target_config.num_hidden_layers, num_positions=depth)
+        hidden_size, eps = target_config.hidden_size, target_config.rms_norm_eps
+        self.hidden_norm = RMSNorm(hidden_size, eps)
+        self.embed_norm = RMSNorm(hidden_size, eps)
+        self.proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.block = Block(target_config, *_block_flags(target_config))
+        self.rope = _Rope(target_config)
+
+    @classmethod
+    def from_config(cls, config: dict, target_config) -> MTPSequentialModule:
+        return cls(target_config, config["num_positions"])
+
+    def init_from_target(self, target) -> None:
+        last_block = target.model.model.layers[-1].state_dict()
+        self.block.load_state_dict({name: tensor.float() for name, tensor in last_block.items()})
+
+    def combine(self, previous: torch.Tensor, next_tokens: torch.Tensor, parts: FrozenTargetParts) -> torch.Tensor:
+        """proj([RMSNorm(previous hidden); RMSNorm(embedding of the next token)]) -> [..., H]."""
+        embeds = parts.embed(next_tokens).to(previous.dtype)  # [..., H]
+        return self.proj(torch.cat([self.hidden_norm(previous), self.embed_norm(embeds)], dim=-1))
+
+    def forward(self, hidden, tokens, positions, parts) -> torch.Tensor:
+        """Unrolled over depths exactly as drafting runs it ("train-time test").
+
+        Depth d at chain start p sits at position p + d - 1, reads tokens[p + d] and the depth d - 1
+        output at p, and attends to the depth-1 keys of positions <= p (what the drafter's cache
+        holds: committed positions) plus its own chain's keys of depths 2..d.
+        """
+        batch, num_new, _ = hidden.shape
+        keys = _KeysOfThisPass()
+        eye = torch.eye(num_new, dtype=torch.bool, device=hidden.device)
+        causal = eye.cumsum(0).bool().T.contiguous().T.tril() if False else torch.ones_like(eye).tril()  # [T, T]
+        previous, features = hidden, []
+        for depth in range(1, self.num_positions + 1):
+            next_tokens = F.pad(tokens[:, depth:], (0, depth))  # [B, T]: token p + depth (0 past the end)
+            x = self.combine(previous, next_tokens, parts)  # [B, T, H]
+            cos, sin = self.rope(positions + depth - 1, x.dtype)
+            mask = torch.cat([causal] + [eye] * (depth - 1), dim=1)[None, None]  # [1, 1, T, depth * T]
+            previous = self.block(x, cos, sin, keys, 0, mask)
+            features.append(previous)
+        return torch.stack(features)  # [D, B, T, H]
+
+    def project(self, features, parts):
+        return parts.lm_head(parts.final_norm(features))
+
+    # ---- inference: one KV slot, committed positions (depth 1) + the draft chain being built
+    def new_cache(self, max_len: int, dtype: torch.dtype, device) -> KVCache:
+        attn = self.block.self_attn
+        return KVCache(1, 1, attn.num_kv_heads, attn.head_dim, max_len, dtype, device)
+
+    def step(self, previous: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+             parts: FrozenTargetParts) -> torch.Tensor:
+        """previous [1, n, H], next_tokens / positions [1, n] -> module outputs [1, n, H] (cache advanced)."""
+        num_new = previous.shape[1]
+        x = self.combine(previous, next_tokens, parts)
+        cos, sin = self.rope(positions, x.dtype)
+        mask = None if num_new == 1 else cache.attention_mask(num_new, None)
+        out = self.block(x, cos, sin, cache, 0, mask)
+        cache.advance(num_new)
+        return out
+
+
+HEAD_TYPES: dict[str, type[DraftHeads]] = {cls.kind: cls for cls in (MedusaHeads, MTPParallelHeads, MTPSequentialModule)}
+
+
+def build_heads(kind: str, target, num_positions: int, **options) -> DraftHeads:
+    """A fresh head module of `kind` for `target` (trainable weights initialised, fp32)."""
+    if kind not in HEAD_TYPES:
+        raise ValueError(f"unknown head type {kind!r}; available: {', '.join(HEAD_TYPES)}")
+    heads = HEAD_TYPES[kind].from_config({"kind": kind, "num_positions": num_positions, **options}, target.config)
+    heads.init_from_target(target)
+    return heads
+
+
+# ----------------------------------------------------------------------------- checkpoints
+_FINGERPRINT_CONFIG_KEYS = (
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "rope_theta", "rope_parameters",
+)
+_SAMPLES_PER_TENSOR = 4096
+
+
+def target_fingerprint(target) -> str:
+    """sha256 of the target's architecture config and a strided sample of every weight tensor.
+
+    Weights are rounded to bfloat16 before hashing, so one model loaded in float32 or bfloat16
+    has one fingerprint, while a different model (or another fine-tune) gets another.
+    """
+    digest = hashlib.sha256()
+    cfg = target.config
+    described = {key: getattr(cfg, key, None) for key in _FINGERPRINT_CONFIG_KEYS}
+    digest.update(json.dumps(described, sort_keys=True, default=str).encode())
+    model = getattr(target, "model", None)
+    if model is None or not hasattr(model, "named_parameters"):
+        raise ValueError(f"cannot fingerprint target {getattr(target, 'name', target)!r}: it exposes no weights")
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+            flat = param.detach().reshape(-1)
+            stride = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
+            sample = flat[::stride][:_SAMPLES_PER_TENSOR].to("cpu", torch.bfloat16).contiguous()
+            digest.update(f"{name}:{tuple(param.shape)}".encode())
+            digest.update(sample.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def target_description(target) -> dict:
+    return {
+        "name": getattr(target, "name", ""),
+        "fingerprint": target_fingerprint(target),
+        "model_type": target.config.model_type,
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+        "num_layers": target.num_layers,
+    }
+
+
+def save_checkpoint(directory: str | Path, heads: DraftHeads, target_info: dict, extra: dict | None = None) -> Path:
+    """Write `config.json` + `model.safetensors` (head weights only, fp32) into `directory` atomically per file."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {name: tensor.detach().to("cpu", torch.float32).contiguous() for name, tensor in heads.state_dict().items()}
+    weights_tmp = directory / (WEIGHTS_FILE + ".tmp")
+    save_file(state, str(weights_tmp))
+    weights_tmp.replace(directory / WEIGHTS_FILE)
+    config = {
+        "format": CHECKPOINT_FORMAT,
+        "format_version": CHECKPOINT_VERSION,
+        "drafter": heads.drafter,
+        "head": heads.head_config(),
+        "label_convention": LABEL_CONVENTION,
+        "target": target_info,
+        **(extra or {}),
+    }
+    config_tmp = directory / (CONFIG_FILE + ".tmp")
+    config_tmp.write_text(json.dumps(config, indent=2))
+    config_tmp.replace(directory / CONFIG_FILE)
+    return directory
+
+
+def read_checkpoint_config(directory: str | Path) -> dict:
+    directory = Path(directory)
+    config_path = directory / CONFIG_FILE
+    if not config_path.is_file() or not (directory / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"{directory} is not a specdec head checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    config = json.loads(config_path.read_text())
+    if config.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{config_path} is not a specdec head checkpoint (format {config.get('format')!r})")
+    if config.get("format_version") != CHECKPOINT_VERSION:
+        raise ValueError(f"{config_path} has format version {config.get('format_version')}; this specdec reads {CHECKPOINT_VERSION}")
+    return config
+
+
+def check_target_matches(config: dict, target, source: str) -> None:
+    """A clear error when `source` (a checkpoint or data dir) was made for a different target."""
+    expected = config.get("target", {})
+    actual = target_fingerprint(target)
+    if expected.get("fingerprint") != actual:
+        raise ValueError(
+            f"{source} was made for target {expected.get('name')!r} (fingerprint {str(expected.get('fingerprint'))[:12]}, "
+            f"{expected.get('model_type')}, hidden {expected.get('hidden_size')}, vocab {expected.get('vocab_size')}), "
+            f"but the loaded target is {getattr(target, 'name', '')!r} (fingerprint {actual[:12]}, "
+            f"{target.config.model_type}, hidden {target.hidden_size}, vocab {target.vocab_size}): "
+            "train heads for this target, or load the target they were trained for"
+        )
+
+
+def load_checkpoint(directory: str | Path, target, drafter: str | None = None) -> tuple[DraftHeads, dict]:
+    """(heads in the target's dtype/device, config) from a checkpoint; errors for a wrong target or drafter."""
+    from safetensors.torch import load_file
+
+    config = read_checkpoint_config(directory)
+    if drafter is not None and config["drafter"] != drafter:
+        raise ValueError(
+            f"checkpoint {directory} holds {config['head']['kind']!r} heads for the {config['drafter']!r} drafter, "
+            f"not for {drafter!r}"
+        )
+    check_target_matches(config, target, f"checkpoint {directory}")
+    kind = config["head"]["kind"]
+    if kind not in HEAD_TYPES:
+        raise ValueError(f"checkpoint {directory} has unknown head type {kind!r}; known: {', '.join(HEAD_TYPES)}")
+    heads = HEAD_TYPES[kind].from_config(config["head"], target.config)
+    heads.load_state_dict(load_file(str(Path(directory) / WEIGHTS_FILE)))
+    return heads.to(device=target.device, dtype=target.dtype).eval(), config
