@@ -131,15 +131,17 @@ def grow_cache(cache: KVCache, needed: int) -> KVCache:
 
 
 class _Rope(nn.Module):
-    """The target's rotary embedding (same table as LlamaModel.rope), as a non-persistent buffer."""
+    """The target's rotary embedding (same table as LlamaModel.rope).
+
+    The table is a plain fp32 attribute, not a buffer: it is derived from the target's config (so
+    it stays out of checkpoints) and must not be cast when the heads move to bfloat16."""
 
     def __init__(self, cfg):
         super().__init__()
-        inv_freq, self.scaling = _rope_inv_freq(cfg)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2]
+        self.inv_freq, self.scaling = _rope_inv_freq(cfg)  # [D/2] float32
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
@@ -294,7 +296,7 @@ class MTPSequentialModule(DraftHeads):
         batch, num_new, _ = hidden.shape
         keys = _KeysOfThisPass()
         eye = torch.eye(num_new, dtype=torch.bool, device=hidden.device)
-        causal = eye.cumsum(0).bool().T.contiguous().T.tril() if False else torch.ones_like(eye).tril()  # [T, T]
+        causal = torch.ones_like(eye).tril()  # [T, T]
         previous, features = hidden, []
         for depth in range(1, self.num_positions + 1):
             next_tokens = F.pad(tokens[:, depth:], (0, depth))  # [B, T]: token p + depth (0 past the end)

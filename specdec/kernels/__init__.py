@@ -1,0 +1,36 @@
+"""CPU kernels: a batch-invariant skinny GEMM so verifying k tokens costs about one decode step.
+
+    from specdec.kernels import fast_linear_modules
+    info = fast_linear_modules(model)          # every nn.Linear -> FastLinear, in place
+    # info == {"backend": "cpp", "count": ..., "batch_invariant": True, "reason": ...}
+
+SPECDEC_LINEAR=torch (or fast_linear_modules(model, backend="torch")) keeps plain F.linear.
+"""
+
+from .skinny_gemm import (
+    BACKENDS,
+    CppSkinnyLinear,
+    FastLinear,
+    KernelUnavailable,
+    RowwiseTorchLinear,
+    TorchLinear,
+    cpu_isa,
+    fast_linear_modules,
+    kernel_cache_dir,
+    load_library,
+    make_backend,
+)
+
+__all__ = [
+    "BACKENDS",
+    "CppSkinnyLinear",
+    "FastLinear",
+    "KernelUnavailable",
+    "RowwiseTorchLinear",
+    "TorchLinear",
+    "cpu_isa",
+    "fast_linear_modules",
+    "kernel_cache_dir",
+    "load_library",
+    "make_backend",
+]

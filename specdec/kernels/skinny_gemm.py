@@ -1,0 +1,310 @@
+"""Batch-invariant skinny GEMM for `nn.Linear` on CPU: verifying k tokens ~ the cost of decoding one.
+
+Decode is memory-bound: a forward over k <= ~10 new tokens should cost about one weight
+stream, like a 1-token step. MKL's fp32 GEMM does not deliver that on small CPUs (2.3-2.9x
+at k = 8) and, summing in a different order for 1 row than for 8, can flip a greedy argmax
+on a near-tie. The C++ kernel in `csrc/skinny_gemm.cpp` reads each weight row once for all
+rows and computes every output with the same instruction sequence whatever the row count,
+so row i of a k-row call is bitwise equal to that row run alone.
+
+Backends (a registry, looked up by name):
+
+    "cpp"      the C++ kernel (fp32, AVX2+FMA or AVX-512); built with the system C++ compiler
+               at first use into $SPECDEC_CACHE/kernels (default ~/.cache/specdec/kernels),
+               a few seconds, then cached. Other dtypes (bf16) go through F.linear.
+    "torch"    F.linear: exactly the plain nn.Linear behaviour (fast, not batch invariant).
+    "rowwise"  F.linear one row at a time: batch invariant in pure PyTorch, but k rows cost k
+               single-row calls (no use for speculative verification; a reference).
+    "auto"     $SPECDEC_LINEAR if set, else "cpp" when it can be built here, else "torch".
+
+Environment: SPECDEC_LINEAR=torch turns the fast path off for "auto" callers;
+SPECDEC_CXX names the compiler (SPECDEC_CXX=none: behave as if there were none);
+SPECDEC_KERNEL_SPIN_US sets how long kernel threads spin-wait between calls (default 50).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SOURCE_PATH = Path(__file__).parent / "csrc" / "skinny_gemm.cpp"
+ENV_BACKEND = "SPECDEC_LINEAR"
+ENV_COMPILER = "SPECDEC_CXX"
+ENV_SPIN_US = "SPECDEC_KERNEL_SPIN_US"
+NO_COMPILER = ("", "none", "0", "off")
+ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx2", "-mfma"), "avx2": ("-mavx2", "-mfma")}
+COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-math-errno")
+DEFAULT_SPIN_US = 50
+
+
+class KernelUnavailable(RuntimeError):
+    """The compiled kernel cannot be used here (no compiler, no AVX2/FMA, build failed)."""
+
+
+def kernel_cache_dir() -> Path:
+    """Where compiled kernels live: $SPECDEC_CACHE/kernels (default ~/.cache/specdec/kernels)."""
+    root = os.environ.get("SPECDEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specdec")
+    return Path(root) / "kernels"
+
+
+def cpu_isa() -> str | None:
+    """The widest instruction set the kernel supports on this CPU ("avx512", "avx2") or None."""
+    try:
+        flags_line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return None
+    flags = set(flags_line.split(":", 1)[1].split())
+    if {"avx512f", "avx2", "fma"} <= flags:
+        return "avx512"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return None
+
+
+def find_compiler(compiler: str | None = None) -> str | None:
+    """The C++ compiler to build with: `compiler`, else $SPECDEC_CXX, else $CXX / g++ / c++ / clang++."""
+    wanted = compiler if compiler is not None else os.environ.get(ENV_COMPILER)
+    if wanted is not None:
+        return None if wanted.strip().lower() in NO_COMPILER else shutil.which(wanted)
+    for candidate in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    return None
+
+
+class SkinnyGemmLibrary:
+    """The compiled kernel (ctypes). Use `load_library()`, which builds and caches it."""
+
+    def __init__(self, path: Path, isa: str):
+        self.path = path
+        self.isa = isa
+        lib = ctypes.CDLL(str(path))
+        lib.sg_isa.restype = ctypes.c_char_p
+        lib.sg_vector_width.restype = ctypes.c_int
+        lib.sg_set_spin_us.argtypes = [ctypes.c_int64]
+        lib.sg_linear_f32.restype = ctypes.c_int
+        lib.sg_linear_f32.argtypes = [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # x, M, K
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # w, N, bias
+            ctypes.c_void_p, ctypes.c_int,  # y, threads
+        ]  # fmt: skip
+        self._lib = lib
+        self._linear = lib.sg_linear_f32
+        self.vector_width = int(lib.sg_vector_width())
+        if lib.sg_isa().decode() != isa:
+            raise KernelUnavailable(f"{path} was built for {lib.sg_isa().decode()}, expected {isa}")
+        spin = os.environ.get(ENV_SPIN_US, str(DEFAULT_SPIN_US))
+        try:
+            lib.sg_set_spin_us(max(0, int(spin)))
+        except ValueError:
+            raise ValueError(f"{ENV_SPIN_US} must be a whole number of microseconds, got {spin!r}") from None
+
+    def linear_f32(self, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_threads: int) -> torch.Tensor:
+        """x2d [M, K], weight [N, K], bias [N] or None: contiguous fp32 CPU tensors -> [M, N]."""
+        rows, in_features = x2d.shape
+        out_features = weight.shape[0]
+        out = torch.empty((rows, out_features), dtype=torch.float32)  # [M, N]
+        status = self._linear(
+            x2d.data_ptr(), rows, in_features, weight.data_ptr(), out_features,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), num_threads,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"skinny GEMM kernel rejected shapes x {tuple(x2d.shape)} w {tuple(weight.shape)}")
+        return out
+
+
+_LIBRARIES: dict[tuple, SkinnyGemmLibrary] = {}  # loaded .so files, one per (compiler, isa, dir)
+_BUILD_LOCK = threading.Lock()
+
+
+def load_library(compiler: str | None = None, isa: str | None = None, cache_dir: Path | None = None) -> SkinnyGemmLibrary:
+    """Build (once, cached on disk) and load the kernel; raises KernelUnavailable with the reason."""
+    cxx = find_compiler(compiler)
+    if cxx is None:
+        raise KernelUnavailable(f"no C++ compiler (set {ENV_COMPILER} or install g++)")
+    native_isa = cpu_isa()
+    isa = isa or native_isa
+    if isa not in ISA_FLAGS:
+        raise KernelUnavailable(f"CPU lacks AVX2+FMA (isa={isa!r}; supported: {sorted(ISA_FLAGS)})")
+    if native_isa is None or (isa == "avx512" and native_isa != "avx512"):
+        raise KernelUnavailable(f"this CPU cannot run the {isa} kernel (it has {native_isa})")
+    cache_dir = Path(cache_dir) if cache_dir is not None else kernel_cache_dir()
+    key = (cxx, isa, str(cache_dir))
+    with _BUILD_LOCK:
+        if key not in _LIBRARIES:
+            _LIBRARIES[key] = SkinnyGemmLibrary(_build(cxx, isa, cache_dir), isa)
+        return _LIBRARIES[key]
+
+
+def _build(cxx: str, isa: str, cache_dir: Path) -> Path:
+    """Compile to <cache>/skinny_gemm-<isa>-<hash>.so unless it is already there (atomic rename)."""
+    flags = (*COMMON_FLAGS, *ISA_FLAGS[isa])
+    source = SOURCE_PATH.read_bytes()
+    compiler_stamp = f"{cxx}:{os.stat(cxx).st_mtime_ns}"
+    digest = hashlib.sha256(source + " ".join(flags).encode() + compiler_stamp.encode()).hexdigest()[:16]
+    target = cache_dir / f"skinny_gemm-{isa}-{digest}.so"
+    if target.exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+    os.close(fd)
+    try:
+        result = subprocess.run([cxx, *flags, str(SOURCE_PATH), "-o", tmp_name], capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise KernelUnavailable(f"{cxx} failed to build {SOURCE_PATH.name}:\n{result.stderr[-2000:]}")
+        os.replace(tmp_name, target)  # concurrent builders each rename a complete file
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+    return target
+
+
+# ---------------------------------------------------------------- backends
+
+
+class TorchLinear:
+    """F.linear: plain nn.Linear behaviour (MKL/oneDNN). Fast, not batch invariant."""
+
+    name = "torch"
+
+    def __init__(self, compiler: str | None = None):
+        pass  # nothing to build; same constructor as every backend
+
+    def batch_invariant(self, dtype: torch.dtype) -> bool:
+        return False
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+
+class RowwiseTorchLinear:
+    """Each row through its own 1-row F.linear: batch invariant without a compiler, k rows cost ~k x."""
+
+    name = "rowwise"
+
+    def __init__(self, compiler: str | None = None):
+        pass
+
+    def batch_invariant(self, dtype: torch.dtype) -> bool:
+        return True
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2d = x.reshape(-1, x.shape[-1])  # [M, K]
+        rows = [F.linear(x2d[i : i + 1], weight, bias) for i in range(x2d.shape[0])]  # M x [1, N]
+        out = torch.cat(rows) if rows else x2d.new_empty((0, weight.shape[0]))  # [M, N]
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class CppSkinnyLinear:
+    """The compiled batch-invariant kernel for fp32 CPU inference; anything else -> F.linear.
+
+    The fallback covers other dtypes (bf16: correct, not batch invariant), non-CPU tensors,
+    non-contiguous weights and autograd (the kernel has no backward)."""
+
+    name = "cpp"
+
+    def __init__(self, compiler: str | None = None, isa: str | None = None, cache_dir: Path | None = None):
+        self.library = load_library(compiler, isa, cache_dir)
+
+    def batch_invariant(self, dtype: torch.dtype) -> bool:
+        return dtype == torch.float32
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not self._kernel_applies(x, weight, bias):
+            return F.linear(x, weight, bias)
+        x2d = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]
+        out = self.library.linear_f32(x2d, weight, bias, torch.get_num_threads())  # [M, N]
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def _kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        tensors = (x, weight) if bias is None else (x, weight, bias)
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+            return False
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return False
+        if x.shape[-1] != weight.shape[1] or x.shape[-1] == 0:
+            return False  # let F.linear raise its usual shape error / handle empty inputs
+        return weight.is_contiguous() and (bias is None or bias.is_contiguous())
+
+
+BACKENDS = {"cpp": CppSkinnyLinear, "torch": TorchLinear, "rowwise": RowwiseTorchLinear}
+
+
+@dataclass
+class BackendChoice:
+    backend: object  # one of BACKENDS' classes, instantiated
+    reason: str  # why this one (e.g. the fast path's unavailability)
+
+
+def make_backend(name: str = "auto", compiler: str | None = None) -> BackendChoice:
+    """Instantiate backend `name`; "auto" = $SPECDEC_LINEAR if set, else "cpp" if it builds, else "torch"."""
+    if name == "auto":
+        name = os.environ.get(ENV_BACKEND, "auto").strip().lower() or "auto"
+        if name == "auto":
+            try:
+                return BackendChoice(CppSkinnyLinear(compiler=compiler), "auto: compiled kernel available")
+            except KernelUnavailable as exc:
+                return BackendChoice(TorchLinear(), f"auto: fell back to torch ({exc})")
+        if name not in BACKENDS:
+            raise ValueError(f"{ENV_BACKEND}={name!r} is not a linear backend; choose from {['auto', *BACKENDS]}")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown linear backend {name!r}; choose from {['auto', *BACKENDS]}")
+    return BackendChoice(BACKENDS[name](compiler=compiler), f"requested {name!r}")
+
+
+class FastLinear(nn.Linear):
+    """An nn.Linear whose forward goes through a linear backend; shares the original parameters."""
+
+    def __init__(self, linear: nn.Linear, backend):
+        nn.Module.__init__(self)  # skip nn.Linear.__init__: no new weights are allocated
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight  # the same Parameter object: tied weights stay tied
+        self.bias = linear.bias
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        return self.backend.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, backend={self.backend.name}"
+
+
+def fast_linear_modules(model: nn.Module, backend: str = "auto", compiler: str | None = None) -> dict:
+    """Replace every nn.Linear in `model` (in place) by a FastLinear on the chosen backend.
+
+    Returns {"backend", "count", "batch_invariant", "reason"}. Parameters are shared, not copied
+    (a tied lm_head keeps pointing at embed_tokens.weight). Already-replaced modules are
+    re-pointed at the new backend, so calling it twice switches backends."""
+    choice = make_backend(backend, compiler=compiler)
+    replacements = [
+        (parent, child_name, child)
+        for parent in model.modules()
+        for child_name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
+    dtypes = set()
+    for parent, child_name, child in replacements:
+        if isinstance(child, FastLinear):
+            child.backend = choice.backend
+        else:
+            setattr(parent, child_name, FastLinear(child, choice.backend))
+        dtypes.add(child.weight.dtype)
+    return {
+        "backend": choice.backend.name,
+        "count": len(replacements),
+        "batch_invariant": bool(dtypes) and all(choice.backend.batch_invariant(d) for d in dtypes),
+        "reason": choice.reason,
+    }

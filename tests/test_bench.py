@@ -1,0 +1,182 @@
+"""`specdec bench`: question selection, summary math, a real SmolLM2 run, and a planted mismatch."""
+
+import json
+
+import pytest
+
+from specdec import generate
+from specdec.bench import BenchConfig, register_method, run_benchmark, unregister_method
+from specdec.bench.questions import (
+    MULTI_TURN,
+    TASK_KINDS,
+    default_questions_path,
+    load_questions,
+    select_questions,
+)
+from specdec.bench.report import PLOT_FILES, method_summary_rows
+from specdec.bench.runner import MethodSpec
+
+QUESTIONS = default_questions_path()
+needs_questions = pytest.mark.skipif(not QUESTIONS.is_file(), reason=f"no Spec-Bench questions at {QUESTIONS}")
+
+
+def _write_jsonl(path, records):
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+def _drafter_name() -> str:
+    from specdec.drafters import DRAFTERS, _load_all
+
+    _load_all()
+    return "pld" if "pld" in DRAFTERS else "random"
+
+
+# ---------------------------------------------------------------------------- no model needed
+
+
+def test_method_spec_parsing():
+    spec = MethodSpec.parse("small-model:draft_model=qwen2.5-coder-0.5b:gamma=3")
+    assert (spec.name, spec.options, spec.label) == ("small-model", {"draft_model": "qwen2.5-coder-0.5b", "gamma": "3"},
+                                                     "small-model:draft_model=qwen2.5-coder-0.5b:gamma=3")
+    assert MethodSpec.parse("pld").options == {}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        MethodSpec.parse("pld:max_ngram")
+
+
+def test_questions_grouped_by_kind_round_robin(tmp_path):
+    records = [{"question_id": i, "category": c, "turns": [f"q{i}", f"follow-up {i}"]}
+               for i, c in enumerate(["writing", "writing", "roleplay", "math", "coding"])]
+    records += [{"question_id": 100 + i, "category": "qa", "turns": [f"qa {i}"]} for i in range(4)]
+    questions = load_questions(_write_jsonl(tmp_path / "q.jsonl", records))
+    picked = select_questions(questions, limit_per_kind=3)
+    # multi-turn: one of each category first (writing, roleplay, math), then qa in file order
+    assert [q.question_id for q in picked] == [0, 2, 3, 100, 101, 102]
+    assert {q.task_kind for q in picked} == {MULTI_TURN, "qa"}
+    assert [q.question_id for q in select_questions(questions, None, ["qa"])] == [100, 101, 102, 103]
+    with pytest.raises(ValueError, match="unknown task kind"):
+        select_questions(questions, 1, ["poetry"])
+    with pytest.raises(ValueError, match=">= 1"):
+        select_questions(questions, 0)
+
+
+def test_load_questions_rejects_bad_lines(tmp_path):
+    with pytest.raises(ValueError, match="unknown category"):
+        load_questions(_write_jsonl(tmp_path / "a.jsonl", [{"question_id": 1, "category": "poems", "turns": ["x"]}]))
+    with pytest.raises(ValueError, match="missing"):
+        load_questions(_write_jsonl(tmp_path / "b.jsonl", [{"question_id": 1, "turns": ["x"]}]))
+    with pytest.raises(FileNotFoundError, match="--questions"):
+        load_questions(tmp_path / "none.jsonl")
+
+
+@needs_questions
+def test_default_questions_cover_every_kind():
+    picked = select_questions(load_questions(QUESTIONS), limit_per_kind=3)
+    assert [q.task_kind for q in picked] == [kind for kind in TASK_KINDS for _ in range(3)]
+    assert all(len(q.turns) == 2 for q in picked if q.task_kind == MULTI_TURN)
+
+
+def _row(method, qid, kind, turn, tokens, seconds, steps=None, stats=None):
+    return dict(method=method, question_id=qid, task_kind=kind, turn=turn, num_tokens=tokens, seconds=seconds,
+                tau_steps=steps, tau_tokens=tokens if steps else None, stats=stats, matches_plain=True)
+
+
+def test_summary_speedup_is_mean_tokens_per_second_ratio():
+    rows = [
+        _row("plain", 1, "qa", 1, 10, 1.0, 10), _row("plain", 2, "qa", 1, 10, 2.0, 10),  # 10 and 5 tok/s
+        _row("plain", 3, "rag", 1, 8, 1.0, 8),
+        _row("fast", 1, "qa", 1, 10, 0.5, 4), _row("fast", 2, "qa", 1, 10, 0.5, 6),  # 20 and 20 tok/s
+        _row("fast", 3, "rag", 1, 8, 2.0, 8),
+    ]
+    methods = [dict(label=m, status="ok", reason=None, exact=True, peer=False, description="") for m in ("plain", "fast")]
+    methods.append(dict(label="gone", status="n/a", reason="no draft model", exact=True, peer=False, description=""))
+    summary = method_summary_rows(rows, methods, ["qa", "rag"])
+    fast = summary["methods"]["fast"]
+    assert fast["per_kind"]["qa"]["speedup"] == pytest.approx(20 / 7.5)
+    assert fast["per_kind"]["qa"]["tau"] == pytest.approx(20 / 10)  # pooled: tokens / steps
+    assert fast["per_kind"]["rag"]["speedup"] == pytest.approx(0.5)
+    assert fast["overall"]["speedup"] == pytest.approx(((20 + 20 + 4) / 3) / ((10 + 5 + 8) / 3))
+    assert summary["methods"]["plain"]["overall"]["speedup"] == pytest.approx(1.0)
+    assert summary["methods"]["gone"]["status"] == "n/a" and "per_kind" not in summary["methods"]["gone"]
+
+
+def test_unknown_method_fails_before_loading_anything(capsys):
+    from specdec.cli import main
+
+    assert main(["bench", "--methods", "plain,no-such-method", "--target", "/nonexistent"]) == 2
+    assert "unknown method 'no-such-method'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- SmolLM2
+
+
+@needs_questions
+def test_bench_smollm2_every_kind(smollm2, tmp_path):
+    drafter = _drafter_name()
+    methods = ["plain", drafter, "hf-plain", "hf-assisted", "small-model"]
+    config = BenchConfig(methods=methods, limit_per_kind=1, max_new_tokens=16, gamma=4, out_dir=str(tmp_path),
+                         progress=False)
+    result = run_benchmark(config, target=smollm2)
+    assert result.exit_code == 0, result.mismatches
+
+    data = json.loads((tmp_path / "results.json").read_text())
+    questions = select_questions(load_questions(QUESTIONS), 1)
+    expected = {(q.question_id, turn) for q in questions for turn in range(1, len(q.turns) + 1)}
+    assert len(expected) == len(TASK_KINDS) + 1  # the multi-turn question has two turns
+    rows = {m: {(r["question_id"], r["turn"]): r for r in data["rows"] if r["method"] == m} for m in methods}
+    for method in ("plain", drafter, "hf-plain"):
+        assert set(rows[method]) == expected, method
+        for row in rows[method].values():
+            assert row["num_tokens"] >= 1 and row["seconds"] > 0 and row["tokens_per_s"] > 0
+    # lossless: the drafter's tokens are plain's, question by question and turn by turn
+    for key, row in rows[drafter].items():
+        assert row["tokens"] == rows["plain"][key]["tokens"] and row["matches_plain"] is True
+    # turn 2 of the multi-turn question is asked after the model's own turn-1 answer
+    multi = next(q for q in questions if q.task_kind == MULTI_TURN).question_id
+    first, second = rows["plain"][(multi, 1)], rows["plain"][(multi, 2)]
+    assert second["prompt_tokens"] > first["prompt_tokens"] + first["num_tokens"] - 2
+
+    summary = data["summary"]["methods"]
+    assert summary["plain"]["overall"]["speedup"] == pytest.approx(1.0)
+    assert summary["plain"]["overall"]["tau"] == pytest.approx(1.0)
+    assert summary[drafter]["overall"]["tau"] >= 1.0
+    assert summary["hf-plain"]["overall"]["tau"] == pytest.approx(1.0)  # one token per forward
+    assert set(summary[drafter]["per_kind"]) == set(TASK_KINDS)
+    for unavailable in ("hf-assisted", "small-model"):  # SmolLM2 has no same-tokenizer draft model
+        assert summary[unavailable]["status"] == "n/a" and "draft model" in summary[unavailable]["reason"]
+
+    markdown = (tmp_path / "results.md").read_text()
+    assert "| method | Multi-turn Conversation |" in markdown and f"| {drafter} |" in markdown
+    assert "n/a: no draft model" in markdown
+    for name in PLOT_FILES:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+@needs_questions
+def test_planted_mismatch_fails_the_run(smollm2, tmp_path, capsys):
+    def lossy(target, prompt_ids, max_new_tokens, sampling):
+        generation = generate(target, prompt_ids, None, max_new_tokens, sampling)
+        tokens = list(generation.tokens)
+        changed = min(3, len(tokens) - 1)
+        tokens[changed] = (tokens[changed] + 1) % target.vocab_size
+        return tokens, generation.stats
+
+    register_method("lossy-test", lossy)
+    try:
+        config = BenchConfig(methods=["plain", "lossy-test"], task_kinds=["qa"], limit_per_kind=1, max_new_tokens=8,
+                             out_dir=str(tmp_path), progress=False, warmup=False)
+        result = run_benchmark(config, target=smollm2)
+    finally:
+        unregister_method("lossy-test")
+    assert result.exit_code == 1
+    question = select_questions(load_questions(QUESTIONS), 1, ["qa"])[0]
+    plain_tokens = next(r["tokens"] for r in result.rows if r["method"] == "plain")
+    position = min(3, len(plain_tokens) - 1)
+    err = capsys.readouterr().err
+    assert f"MISMATCH: method 'lossy-test' question {question.question_id} (qa) turn 1" in err
+    assert f"first difference at output position {position}" in err
+    data = json.loads((tmp_path / "results.json").read_text())  # results are written before failing
+    assert data["mismatches"] == [dict(method="lossy-test", question_id=question.question_id, turn=1, position=position,
+                                       plain=plain_tokens[position], got=(plain_tokens[position] + 1) % smollm2.vocab_size,
+                                       exact=True)]
+    assert "FAIL" in (tmp_path / "results.md").read_text()
