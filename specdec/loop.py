@@ -40,7 +40,7 @@ class Generation:
 
 
 @dataclass(eq=False)  # identity semantics: sequences are handles (hashable, weak-referenceable)
-class _Sequence:
+class RunningSequence:
     """One generation in a batch: its context, drafter, stats and stopping rules."""
 
     ctx: DraftContext
@@ -74,7 +74,7 @@ class SpecBatch:
         self.drafter = drafter
         self.policy = budget_policy or FixedBudget()
         self.cache = target.new_cache(max_batch, max_len)
-        self.seqs: list[_Sequence] = []
+        self.seqs: list[RunningSequence] = []
         self.eos_ids = set(target.eos_token_ids)
         self.hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
 
@@ -87,7 +87,7 @@ class SpecBatch:
         return prompt_len + max_new_tokens + (self.policy.max_budget_for(self.drafter) if self.drafter else 0) + 2
 
     def add(self, prompts: Sequence[list[int]], sampling: Sequence[SamplingParams], max_new_tokens: Sequence[int],
-            stop: Sequence[Sequence[str]]) -> list[_Sequence]:
+            stop: Sequence[Sequence[str]]) -> list[RunningSequence]:
         """0. Prefill new sequences (ragged, right-padded, one forward) and sample their first token."""
         first_row = len(self.seqs)
         if first_row + len(prompts) > self.max_batch:
@@ -108,7 +108,7 @@ class SpecBatch:
             seq_drafter = self.drafter.for_sequence() if self.drafter is not None else None
             if seq_drafter is not None:
                 seq_drafter.begin(list(prompt), self.target)
-            new.append(_Sequence(ctx, seq_drafter, SpecStats(), limit, tuple(s for s in stop_list(stops) if s)))
+            new.append(RunningSequence(ctx, seq_drafter, SpecStats(), limit, tuple(s for s in _as_stop_tuple(stops) if s)))
         rows = self.cache.rows(first_row, first_row + len(new))
         rows.truncate(0)
         with _timers(new, "verify"):
@@ -130,7 +130,7 @@ class SpecBatch:
         self._drop_finished()
         return new
 
-    def step(self) -> list[_Sequence]:
+    def step(self) -> list[RunningSequence]:
         """One draft -> verify -> commit step over every running sequence.
 
         Returns the sequences that ran; each one's `last_committed` holds the tokens it gained.
@@ -175,7 +175,7 @@ class SpecBatch:
         self._drop_finished()
         return seqs
 
-    def remove(self, seq: _Sequence) -> None:
+    def remove(self, seq: RunningSequence) -> None:
         """Take a sequence out of the batch (finished, or its client went away) and free its row."""
         row = self.seqs.index(seq)
         last = len(self.seqs) - 1
@@ -191,7 +191,7 @@ class SpecBatch:
             self.remove(seq)
 
 
-def stop_list(stops) -> tuple[str, ...]:
+def _as_stop_tuple(stops) -> tuple[str, ...]:
     return (stops,) if isinstance(stops, str) else tuple(stops)
 
 
@@ -225,7 +225,7 @@ def run(
     return [_finish(seq, target) for seq in seqs]
 
 
-def _propose(seq: _Sequence, budget: int) -> Draft:
+def _propose(seq: RunningSequence, budget: int) -> Draft:
     if seq.drafter is None:
         return Draft.empty()
     # never draft past max_new_tokens: the bonus token already fills the last slot
@@ -261,7 +261,7 @@ def _verify(draft: Draft, target_probs: torch.Tensor, generator) -> VerifyResult
     return verify_tree(draft, target_probs, generator)
 
 
-def _commit(seq: _Sequence, new_tokens: list[int], target, eos_ids: set[int]) -> list[int]:
+def _commit(seq: RunningSequence, new_tokens: list[int], target, eos_ids: set[int]) -> list[int]:
     """Append tokens one at a time, stopping exactly where plain decoding would."""
     taken = []
     for token in new_tokens:
@@ -278,7 +278,7 @@ def _commit(seq: _Sequence, new_tokens: list[int], target, eos_ids: set[int]) ->
     return taken
 
 
-def _hit_stop_string(seq: _Sequence, target) -> bool:
+def _hit_stop_string(seq: RunningSequence, target) -> bool:
     text = target.decode(seq.ctx.output_tokens)
     cuts = [text.find(s) for s in seq.stop_strings if s in text]
     if cuts:
@@ -287,7 +287,7 @@ def _hit_stop_string(seq: _Sequence, target) -> bool:
     return False
 
 
-def _finish(seq: _Sequence, target) -> Generation:
+def _finish(seq: RunningSequence, target) -> Generation:
     output = seq.ctx.output_tokens
     text = target.decode(output)
     if seq.stop_text_cut is not None:

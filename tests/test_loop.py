@@ -131,3 +131,27 @@ def _drain(steps):
             next(steps)
         except StopIteration as done:
             return done.value
+
+
+def test_sequences_join_and_leave_a_running_batch(tiny_target):
+    """Continuous batching: a sequence added mid-way, and one removed, leave the others exact."""
+    from specdec.loop import SpecBatch
+
+    prompts = [[5, 6, 7], [30, 31, 32, 33, 34], [60, 61]]
+    alone = [generate(tiny_target, p, max_new_tokens=12).tokens for p in prompts]
+    batch = SpecBatch(tiny_target, make_drafter("random", tiny_target, gamma=3, tree=True), max_batch=3, max_len=64)
+    greedy = SamplingParams()
+    first, second = batch.add(prompts[:2], [greedy] * 2, [12, 12], [(), ()])
+    batch.step()
+    batch.step()
+    (third,) = batch.add([prompts[2]], [greedy], [12], [()])
+    batch.step()
+    batch.remove(first)  # a client went away: its row is reused, the others move
+    assert first.finish_reason == "cancelled" and len(batch.seqs) == 2
+    while batch.seqs:
+        batch.step()
+    assert second.ctx.output_tokens == alone[1]
+    assert third.ctx.output_tokens == alone[2]
+    assert first.ctx.output_tokens == alone[0][: len(first.ctx.output_tokens)]
+    with pytest.raises(ValueError, match="does not fit"):
+        batch.add([list(range(1, 60))], [greedy], [12], [()])

@@ -38,13 +38,16 @@ def plain_outputs(smollm2):
     return outputs
 
 
+def _make_tiny_pair(root, vocab_size: int):
+    """Tiny random target and draft llamas sharing a char tokenizer (different weights and depth)."""
+    target_dir, _ = make_tiny_hf_dir(root / "target", "llama", seed=11, vocab_size=vocab_size)
+    draft_dir, _ = make_tiny_hf_dir(root / "draft", "llama", seed=12, vocab_size=vocab_size, num_hidden_layers=2)
+    return load_native(target_dir, name="tiny-target"), load_native(draft_dir, name="tiny-draft")
+
+
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
-    """Tiny random target and draft llamas sharing a 16-token char tokenizer (different weights)."""
-    root = tmp_path_factory.mktemp("model_drafters")
-    target_dir, _ = make_tiny_hf_dir(root / "target", "llama", seed=11, vocab_size=16)
-    draft_dir, _ = make_tiny_hf_dir(root / "draft", "llama", seed=12, vocab_size=16, num_hidden_layers=2)
-    return load_native(target_dir, name="tiny-target"), load_native(draft_dir, name="tiny-draft")
+    return _make_tiny_pair(tmp_path_factory.mktemp("model_drafters"), 16)
 
 
 class CountingTarget:
@@ -173,14 +176,17 @@ class DropsUnlikelyTokensDrafter(SmallModelDrafter):
         return Draft.chain(draft.tokens[:keep], draft.draft_probs[:keep])
 
 
-def test_sampled_drafts_keep_the_target_distribution(tiny_pair):
-    target, draft_model = tiny_pair
-    prompt = [0, 5, 9, 3, 7]
-    runs = 3000
-    drafter = SmallModelDrafter(target, draft_target=draft_model, gamma=2)
-    assert _drafted_pair_pvalue(target, drafter, prompt, runs) > 1e-3
-    wrong = ClaimsDeterministicDrafter(target, draft_target=draft_model, gamma=2)
-    assert _drafted_pair_pvalue(target, wrong, prompt, runs) < 1e-6
+def test_sampled_drafts_keep_the_target_distribution(tmp_path):
+    # an 8-token vocabulary keeps the joint of two tokens small enough for a sharp chi-square test
+    target, draft_model = _make_tiny_pair(tmp_path, 8)
+    prompt = [0, 5, 7, 3, 6]
+    sampled_chain = SmallModelDrafter(target, draft_target=draft_model, gamma=2)
+    assert _drafted_pair_pvalue(target, sampled_chain, prompt, runs=3000) > 1e-3
+    top_k_tree = SmallModelDrafter(target, draft_target=draft_model, tree=True, tree_nodes=2, tree_depth=2)
+    assert _drafted_pair_pvalue(target, top_k_tree, prompt, runs=1000) > 1e-3
+    # the same test catches lossy variants
+    for wrong in (MisreportsTemperatureDrafter, DropsUnlikelyTokensDrafter):
+        assert _drafted_pair_pvalue(target, wrong(target, draft_target=draft_model, gamma=2), prompt, runs=1000) < 1e-6
 
 
 # ---------------------------------------------------------------------------- cache rollback

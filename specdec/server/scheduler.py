@@ -280,7 +280,11 @@ class TextDeltas:
         self.tokens.extend(tokens)
         text = self.decode(self.tokens)
         safe = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character decodes to U+FFFD
-        safe -= self._possible_stop_prefix(text[:safe])
+        matched = [text.find(stop) for stop in self.stop_strings if stop in text]
+        if matched:  # the generation ends at the first stop string: never send it or what follows
+            safe = min(safe, *matched)
+        else:
+            safe -= self._possible_stop_prefix(text[:safe])
         if safe <= len(self.sent) or not text.startswith(self.sent):
             return ""
         delta = text[len(self.sent) : safe]

@@ -1,0 +1,163 @@
+"""Micro-benchmark: ms per linear call, method x rows, for the Qwen2.5-Coder layer shapes.
+
+    python -m specdec.kernels.bench_linear                       # 8960x1536 and 1536x1536, rows 1..16
+    python -m specdec.kernels.bench_linear --shapes model        # every 0.5B/1.5B layer shape + LM heads
+    python -m specdec.kernels.bench_linear --methods torch,cpp --rows 1,8 --reps 30
+
+Shapes are weight shapes [out, in]. By default weights are "cold": each method cycles through
+enough copies of the weight to overflow the CPU caches (~1 GiB per shape), as in a real forward
+where every layer's weights come from DRAM; --hot reuses one copy (an upper bound on speed).
+Methods run interleaved per repetition, so background load hits them alike; the table prints
+the median (and with --min the minimum) over repetitions. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see DESIGN.md "Machine facts"
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from .skinny_gemm import BACKENDS, KernelUnavailable  # noqa: E402
+
+DEFAULT_SHAPES = ((8960, 1536), (1536, 1536))
+MODEL_SHAPES = (
+    (896, 896), (4864, 896), (896, 4864), (151936, 896),  # Qwen2.5-Coder-0.5B: attn/o, gate/up, down, lm_head
+    (1536, 1536), (8960, 1536), (1536, 8960), (151936, 1536),  # Qwen2.5-Coder-1.5B
+)  # fmt: skip
+COLD_BYTES = 1 << 30  # weight copies per shape so that one pass overflows the caches
+
+
+def _prepared_backend(name: str, **options) -> Callable:
+    backend = BACKENDS[name](**options)
+    return lambda weight, bias: (lambda x: backend.linear(x, weight, bias))
+
+
+def _mkl_packed(weight, bias):
+    """MKL packed-weight GEMM (what inductor's freezing uses for fp32 linears)."""
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 8)
+    return lambda x: torch.ops.mkl._mkl_linear(x, packed, weight, bias, 8)
+
+
+def _onednn_packed(weight, bias):
+    """oneDNN linear with a weight reordered once to its blocked layout."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def method_table(compiler: str | None = None) -> dict[str, Callable]:
+    """name -> prepare(weight, bias) -> run(x). Methods that cannot run here are left out (printed)."""
+    methods = {
+        "torch": _prepared_backend("torch"),
+        "rowwise": _prepared_backend("rowwise"),
+        "mkl_packed": _mkl_packed,
+        "onednn_packed": _onednn_packed,
+    }
+    for isa in ("avx512", "avx2"):
+        try:
+            methods[f"cpp_{isa}"] = _prepared_backend("cpp", compiler=compiler, isa=isa)
+        except KernelUnavailable as exc:
+            print(f"# cpp_{isa}: unavailable ({exc})")
+    return methods
+
+
+def time_methods(prepared: dict[str, list[Callable]], x: torch.Tensor, reps: int) -> dict[str, list[float]]:
+    """ms per call for each method, interleaved; each method cycles through its weight copies."""
+    times = {name: [] for name in prepared}
+    for name, runs in prepared.items():  # warm-up: touch every copy once
+        for run in runs:
+            run(x)
+    for rep in range(reps):
+        for name, runs in prepared.items():
+            run = runs[rep % len(runs)]
+            start = time.perf_counter()
+            run(x)
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def bench_shape(out_features: int, in_features: int, rows: list[int], methods: dict, reps: int, hot: bool):
+    """{method: {rows: [ms, ...]}} for one weight shape."""
+    copies = 1 if hot else max(2, -(-COLD_BYTES // (out_features * in_features * 4)))
+    weights = [torch.randn(out_features, in_features) * in_features**-0.5 for _ in range(copies)]  # [N, K] each
+    bias = torch.randn(out_features)
+    results = {name: {} for name in methods}
+    for name, prepare in methods.items():
+        try:
+            prepare(weights[0], bias)(torch.randn(1, in_features))
+        except RuntimeError as exc:  # e.g. an op missing from this torch build
+            print(f"# {name}: failed on {out_features}x{in_features} ({str(exc)[:120]})")
+            results.pop(name)
+    prepared = {name: [methods[name](w, bias) for w in weights] for name in results}
+    with torch.inference_mode():
+        for num_rows in rows:
+            x = torch.randn(num_rows, in_features)  # [M, K]
+            for name, samples in time_methods(prepared, x, reps).items():
+                results[name][num_rows] = samples
+    return results
+
+
+def format_table(shape: tuple[int, int], results: dict, rows: list[int], show_min: bool) -> str:
+    header = f"| {shape[0]}x{shape[1]} | " + " | ".join(f"{r} rows" for r in rows) + " | 8/1 |"
+    lines = [header, "|" + "---|" * (len(rows) + 2)]
+    for name, per_rows in results.items():
+        cells = []
+        for r in rows:
+            median = statistics.median(per_rows[r])
+            cells.append(f"{median:.2f} ({min(per_rows[r]):.2f})" if show_min else f"{median:.2f}")
+        ratio = ""
+        if 1 in per_rows and 8 in per_rows:
+            ratio = f"{statistics.median(per_rows[8]) / statistics.median(per_rows[1]):.2f}"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="default", help="'default', 'model', or e.g. '8960x1536,896x896' ([out]x[in])")
+    parser.add_argument("--rows", default="1,2,4,8,16")
+    parser.add_argument("--methods", default="", help="comma list (default: all that run here)")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's own)")
+    parser.add_argument("--hot", action="store_true", help="reuse one weight copy (cache-resident)")
+    parser.add_argument("--min", action="store_true", help="also print the minimum: 'median (min)'")
+    args = parser.parse_args(argv)
+
+    named = {"default": DEFAULT_SHAPES, "model": MODEL_SHAPES}
+    if args.shapes in named:
+        shapes = named[args.shapes]
+    else:
+        try:
+            shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
+        except ValueError:
+            raise SystemExit(f"--shapes: expected 'default', 'model' or OUTxIN[,OUTxIN...], got {args.shapes!r}")
+    rows = [int(r) for r in args.rows.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    methods = method_table()
+    if args.methods:
+        wanted = args.methods.split(",")
+        unknown = [m for m in wanted if m not in methods]
+        if unknown:
+            raise SystemExit(f"--methods: {unknown} not available here; choose from {sorted(methods)}")
+        methods = {m: methods[m] for m in wanted}
+    print(
+        f"# torch {torch.__version__}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY="
+        f"{os.environ.get('OMP_WAIT_POLICY')}, {'hot' if args.hot else 'cold'} weights, median"
+        f"{' (min)' if args.min else ''} ms of {args.reps} reps"
+    )
+    for shape in shapes:
+        results = bench_shape(shape[0], shape[1], rows, methods, args.reps, args.hot)
+        print()
+        print(format_table(shape, results, rows, args.min), flush=True)
+
+
+if __name__ == "__main__":
+    main()

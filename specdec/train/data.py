@@ -1,0 +1,286 @@
+"""Self-distillation data: the target answers offline prompts; we keep token ids + hidden states.
+
+For every prompt the target writes its OWN answer (its chat template, its own decoding: greedy,
+or sampled for a `sampled_fraction` of prompts) with `specdec.generate`; then ONE target forward
+over prompt + answer returns the hidden states of the chosen layers at every position. Heads are
+trained to predict the target's own tokens from those states (see heads.LABEL_CONVENTION).
+
+On disk (`out_dir/`):
+    prompts.jsonl            the prompts (text, source), fixed at the start so a resume uses the same
+    shard-00000.safetensors  per shard: tokens int32 [N], offsets int64 [n + 1] (sample i is
+                             tokens[offsets[i]:offsets[i + 1]]), prompt_lengths int64 [n],
+                             sampled uint8 [n], prompt_index int64 [n], hidden.<layer> float16 [N, H]
+    manifest.json            target (name + fingerprint), settings, sources + licences, finished shards
+
+Resumable: every shard and the manifest are written to a temp file and renamed; a rerun with the
+same settings skips the shards the manifest lists as finished. Each prompt's decoding (greedy or
+sampled, and the sampling seed) is a function of (seed, prompt index), so an interrupted and
+resumed job writes the same shards as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..sampling import SamplingParams
+from .heads import check_target_matches, target_description
+from .prompts import GENERATED_TEXT_LICENCE, SOURCES, PromptItem, mixed_prompts
+
+DATA_FORMAT = "specdec-selfdistill"
+DATA_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+PROMPTS_FILE = "prompts.jsonl"
+HIDDEN_KEY = "hidden.{layer}"
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+@dataclass
+class DataSettings:
+    """What `build_dataset` generates (all of it is recorded in the manifest and checked on resume)."""
+
+    num_prompts: int = 32
+    max_new_tokens: int = 128
+    layers: list[int] | None = None  # target hidden layers to store; None = [num_layers - 1, num_layers]
+    sampled_fraction: float = 0.3  # share of prompts answered by sampling instead of greedy decoding
+    temperature: float = 0.7
+    top_p: float = 0.95
+    shard_size: int = 16  # prompts per shard
+    seed: int = 0
+    prompt_weights: dict[str, float] = field(default_factory=lambda: {"self-instruct": 0.4, "python-docs": 0.3, "code-tasks": 0.3})
+
+    def validate(self, target) -> None:
+        for name in ("num_prompts", "max_new_tokens", "shard_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not 0.0 <= self.sampled_fraction <= 1.0:
+            raise ValueError(f"sampled_fraction must be in [0, 1], got {self.sampled_fraction!r}")
+        if self.layers is None:
+            self.layers = default_layers(target)
+        self.layers = sorted({int(layer) for layer in self.layers})
+        bad = [layer for layer in self.layers if not 0 <= layer <= target.num_layers]
+        if bad or not self.layers:
+            raise ValueError(
+                f"layers {bad or self.layers} out of range: hidden layers are 0 (embeddings) .. {target.num_layers} "
+                "(after the final norm)"
+            )
+        SamplingParams(self.temperature, 0, self.top_p)  # raises a clear error for bad values
+
+    def decoding_for(self, prompt_index: int) -> SamplingParams:
+        """Greedy or sampled (with its own seed) for one prompt: a function of (seed, index) only."""
+        draw = random.Random(f"{self.seed}:{prompt_index}").random()
+        if draw < self.sampled_fraction:
+            return SamplingParams(self.temperature, 0, self.top_p, seed=self.seed * 1_000_003 + prompt_index)
+        return SamplingParams()
+
+
+def default_layers(target) -> list[int]:
+    """The layers every head type reads: num_layers (Medusa, MTP sequential) and num_layers - 1 (MTP parallel)."""
+    return sorted({max(0, target.num_layers - 1), target.num_layers})
+
+
+def _write_json_atomic(path: Path, payload) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.replace(path)
+
+
+def _read_prompts(path: Path) -> list[PromptItem]:
+    return [PromptItem(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _new_manifest(target, settings: DataSettings, prompts: list[PromptItem], num_shards: int) -> dict:
+    counts = {name: sum(1 for p in prompts if p.source == name) for name in SOURCES}
+    return {
+        "format": DATA_FORMAT,
+        "format_version": DATA_VERSION,
+        "target": target_description(target),
+        "settings": asdict(settings),
+        "hidden_size": target.hidden_size,
+        "hidden_dtype": "float16",
+        "chat_template": bool(getattr(target.tokenizer, "chat_template", None)),
+        "sources": {
+            name: {"description": SOURCES[name].description, "licence": SOURCES[name].licence, "prompts": count}
+            for name, count in counts.items() if count
+        },
+        "generated_text_licence": GENERATED_TEXT_LICENCE,
+        "num_prompts": len(prompts),
+        "num_shards": num_shards,
+        "shards": {},
+        "complete": False,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def read_manifest(directory: str | Path) -> dict:
+    path = Path(directory) / MANIFEST_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} holds no self-distillation data ({MANIFEST_FILE} missing); run `specdec train data`")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != DATA_FORMAT or manifest.get("format_version") != DATA_VERSION:
+        raise ValueError(f"{path} is not specdec self-distillation data v{DATA_VERSION}")
+    return manifest
+
+
+def _open_or_create(target, out_dir: Path, settings: DataSettings, prompts: list[PromptItem] | None) -> tuple[dict, list[PromptItem]]:
+    manifest_path = out_dir / MANIFEST_FILE
+    if manifest_path.exists():
+        manifest = read_manifest(out_dir)
+        check_target_matches(manifest, target, f"data in {out_dir}")
+        if manifest["settings"] != asdict(settings):
+            changed = {k: (manifest["settings"].get(k), v) for k, v in asdict(settings).items() if manifest["settings"].get(k) != v}
+            raise ValueError(
+                f"{out_dir} already holds data made with other settings (existing, requested): {changed}; "
+                "rerun with the same settings to resume, or choose a new --out"
+            )
+        stored = _read_prompts(out_dir / PROMPTS_FILE)
+        if prompts is not None and [asdict(p) for p in prompts] != [asdict(p) for p in stored]:
+            raise ValueError(f"{out_dir} already holds data for different prompts; choose a new --out")
+        return manifest, stored
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prompts = prompts if prompts is not None else mixed_prompts(settings.num_prompts, settings.seed, settings.prompt_weights)
+    if len(prompts) != settings.num_prompts:
+        raise ValueError(f"got {len(prompts)} prompts but settings.num_prompts is {settings.num_prompts}")
+    tmp = out_dir / (PROMPTS_FILE + ".tmp")
+    tmp.write_text("".join(json.dumps(asdict(p)) + "\n" for p in prompts))
+    tmp.replace(out_dir / PROMPTS_FILE)
+    num_shards = -(-len(prompts) // settings.shard_size)
+    manifest = _new_manifest(target, settings, prompts, num_shards)
+    _write_json_atomic(manifest_path, manifest)
+    return manifest, prompts
+
+
+def estimate_bytes(prompt_lengths: list[int], settings: DataSettings, hidden_size: int) -> int:
+    """Upper bound on the data size: every answer at max_new_tokens, fp16 hidden rows + int32 ids."""
+    max_tokens = sum(prompt_lengths) + len(prompt_lengths) * settings.max_new_tokens
+    return max_tokens * (2 * hidden_size * len(settings.layers) + 4)
+
+
+def _answer_sample(target, prompt_ids: list[int], decoding: SamplingParams, settings: DataSettings):
+    """The target's own answer, then ONE forward over prompt + answer for the hidden states."""
+    from ..api import generate
+
+    answer = generate(target, list(prompt_ids), None, settings.max_new_tokens, decoding).tokens
+    ids = list(prompt_ids) + list(answer)
+    tokens = torch.tensor([ids], dtype=torch.long)  # [1, T]
+    cache = target.new_cache(1, len(ids))
+    with torch.inference_mode():
+        _, hiddens = target.forward(tokens, torch.arange(len(ids))[None], cache, hidden_layers=tuple(settings.layers))
+    return ids, {layer: hiddens[layer][0].to("cpu", torch.float16) for layer in settings.layers}  # {layer: [T, H]}
+
+
+def _write_shard(path: Path, samples: list[tuple], prompt_indices: list[int], sampled: list[bool], layers: list[int]) -> dict:
+    from safetensors.torch import save_file
+
+    lengths = [len(ids) for ids, _, _ in samples]
+    offsets = torch.tensor([0] + lengths).cumsum(0)  # [n + 1]
+    tensors = {
+        "tokens": torch.tensor([t for ids, _, _ in samples for t in ids], dtype=torch.int32),  # [N]
+        "offsets": offsets,
+        "prompt_lengths": torch.tensor([n for _, _, n in samples], dtype=torch.long),
+        "sampled": torch.tensor(sampled, dtype=torch.uint8),
+        "prompt_index": torch.tensor(prompt_indices, dtype=torch.long),
+    }
+    for layer in layers:
+        tensors[HIDDEN_KEY.format(layer=layer)] = torch.cat([hidden[layer] for _, hidden, _ in samples]).contiguous()  # [N, H]
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)
+    answer_tokens = sum(len(ids) - n for ids, _, n in samples)
+    return {"file": path.name, "samples": len(samples), "tokens": int(offsets[-1]), "answer_tokens": answer_tokens,
+            "bytes": path.stat().st_size}
+
+
+def build_dataset(
+    target,
+    out_dir: str | Path,
+    settings: DataSettings | None = None,
+    prompts: list[PromptItem] | None = None,
+    progress: bool = True,
+    stop_after_shards: int | None = None,
+    log=print,
+) -> dict:
+    """Generate (or resume) self-distillation data in `out_dir`; returns the manifest.
+
+    `prompts` overrides the offline prompt mix (their count must equal settings.num_prompts).
+    `stop_after_shards` stops after writing that many NEW shards (an interruption, for tests).
+    """
+    from tqdm.auto import tqdm
+
+    settings = settings or DataSettings()
+    settings.validate(target)
+    out_dir = Path(out_dir)
+    manifest, prompts = _open_or_create(target, out_dir, settings, prompts)
+    prompt_ids = [target.encode_prompt(p.text) for p in prompts]
+    done = {int(k) for k, v in manifest["shards"].items() if (out_dir / v["file"]).is_file()}
+    estimate = estimate_bytes([len(p) for p in prompt_ids], settings, target.hidden_size)
+    log(
+        f"self-distillation data: {len(prompts)} prompts in {manifest['num_shards']} shards, answers up to "
+        f"{settings.max_new_tokens} tokens, layers {settings.layers} (fp16, hidden {target.hidden_size}): "
+        f"at most {estimate / 2**20:.1f} MiB; {len(done)} shards already done"
+    )
+    written = 0
+    bar = tqdm(total=len(prompts), desc="self-distill", unit="prompt", disable=not progress,
+               initial=sum(manifest["shards"][str(i)]["samples"] for i in done))
+    for shard in range(manifest["num_shards"]):
+        if shard in done:
+            continue
+        if stop_after_shards is not None and written >= stop_after_shards:
+            break
+        indices = list(range(shard * settings.shard_size, min(len(prompts), (shard + 1) * settings.shard_size)))
+        samples, sampled = [], []
+        for index in indices:
+            decoding = settings.decoding_for(index)
+            ids, hidden = _answer_sample(target, prompt_ids[index], decoding, settings)
+            samples.append((ids, hidden, len(prompt_ids[index])))
+            sampled.append(not decoding.greedy)
+            bar.update(1)
+        manifest["shards"][str(shard)] = _write_shard(out_dir / shard_name(shard), samples, indices, sampled, settings.layers)
+        manifest["complete"] = len(manifest["shards"]) == manifest["num_shards"]
+        _write_json_atomic(out_dir / MANIFEST_FILE, manifest)
+        written += 1
+    bar.close()
+    return manifest
+
+
+# ----------------------------------------------------------------------------- reading
+@dataclass
+class Sample:
+    tokens: torch.Tensor  # [T] long: prompt + the target's answer
+    hidden: dict[int, torch.Tensor]  # layer -> [T, H] float16
+    num_prompt_tokens: int
+
+
+def load_samples(directory: str | Path, layers: list[int], target=None) -> tuple[dict, list[Sample]]:
+    """(manifest, samples of every finished shard in prompt order); checks the target when given."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if target is not None:
+        check_target_matches(manifest, target, f"data in {directory}")
+    missing = [layer for layer in layers if layer not in manifest["settings"]["layers"]]
+    if missing:
+        raise ValueError(f"data in {directory} has hidden layers {manifest['settings']['layers']}, but these heads need {missing}")
+    samples: list[Sample] = []
+    for shard in sorted(manifest["shards"], key=int):
+        tensors = load_file(str(directory / manifest["shards"][shard]["file"]))
+        offsets = tensors["offsets"].tolist()
+        for i, (start, stop) in enumerate(zip(offsets, offsets[1:])):
+            samples.append(Sample(
+                tokens=tensors["tokens"][start:stop].long(),
+                hidden={layer: tensors[HIDDEN_KEY.format(layer=layer)][start:stop] for layer in layers},
+                num_prompt_tokens=int(tensors["prompt_lengths"][i]),
+            ))
+    if not samples:
+        raise ValueError(f"data in {directory} has no finished shards yet; run (or resume) `specdec train data`")
+    return manifest, samples

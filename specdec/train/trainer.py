@@ -1,0 +1,325 @@
+"""One training loop for every head type (Medusa heads, MTP parallel heads, MTP sequential module).
+
+The target stays frozen; only the head module trains. Targets are the target's own tokens
+(self-distilled data, specdec.train.data): head position k at position t learns token t + k + 1,
+counted only where that token belongs to the target's answer (never a prompt token).
+
+Per step: `batch_size` samples drawn with a generator seeded by (seed, step) (so a resumed run
+sees the same batches), cropped to `max_seq_len`; the head module runs on the whole batch, then
+at most `loss_rows` (head position, token) rows, picked at random, go through the frozen LM head
+(the [rows, V] logits dominate the cost); cross-entropy per head position, weighted by
+head_decay^(k - 1) (Medusa's 0.8^k) and averaged. AdamW, linear warmup then cosine decay to
+`min_lr_ratio`, gradient clipping, bf16 autocast or fp32, a time budget, held-out evaluation
+(top-1 agreement with the target's tokens per head position, and rank-r hit rates that the
+drafters use to shape their trees), a progress bar, checkpoints, resume and a PNG plot.
+
+Schedule horizon: `steps` when given (a resumed run continues the same schedule), else this
+run's `minutes` (the cosine follows elapsed time).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .data import Sample
+from .heads import DraftHeads, FrozenTargetParts, save_checkpoint
+
+STATE_FILE = "trainer_state.pt"
+HISTORY_FILE = "history.json"
+PLOT_FILE = "training.png"
+EVAL_RANKS = 10  # rank-r hit rates stored for r < EVAL_RANKS (tree shaping)
+
+
+@dataclass
+class TrainSettings:
+    steps: int | None = None  # total optimizer steps (None: only the time budget)
+    minutes: float | None = None  # time budget of this run (None: only steps)
+    lr: float = 1e-3
+    batch_size: int = 8
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    dtype: str = "fp32"  # "fp32" | "bf16" (autocast; master weights stay fp32)
+    max_seq_len: int = 512
+    loss_rows: int = 1024  # (head position, token) rows through the LM head per step
+    head_decay: float = 0.8
+    eval_fraction: float = 0.1
+    eval_rows: int = 4096
+    eval_every: int = 100
+    save_every: int = 200
+    seed: int = 0
+    device: str = "cpu"
+
+    def validate(self) -> None:
+        if self.steps is None and self.minutes is None:
+            raise ValueError("give a training length: steps, minutes, or both")
+        if self.steps is not None and (isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1):
+            raise ValueError(f"steps must be an integer >= 1, got {self.steps!r}")
+        if self.minutes is not None and not self.minutes > 0:
+            raise ValueError(f"minutes must be > 0, got {self.minutes!r}")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
+        for name in ("batch_size", "max_seq_len", "loss_rows", "eval_rows", "eval_every", "save_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, T] long (0 = padding)
+    hidden: torch.Tensor  # [B, T, H] float32
+    positions: torch.Tensor  # [B, T] absolute positions
+    lengths: torch.Tensor  # [B] valid tokens per row
+    answer_start: torch.Tensor  # [B] first answer token index in the (cropped) row; labels must be >= it
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    elapsed_s: float
+    eval: dict
+    checkpoint: Path
+    history: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- batches and labels
+def make_batch(samples: list[Sample], layer: int, max_seq_len: int, generator: torch.Generator, device) -> Batch:
+    """Right-padded batch; a sample longer than max_seq_len is cropped to a random window."""
+    rows = []
+    for sample in samples:
+        length = sample.tokens.shape[0]
+        start = 0
+        if length > max_seq_len:
+            start = int(torch.randint(0, length - max_seq_len + 1, (1,), generator=generator))
+        stop = min(length, start + max_seq_len)
+        rows.append((sample.tokens[start:stop], sample.hidden[layer][start:stop], start, sample.num_prompt_tokens - start))
+    width = max(tokens.shape[0] for tokens, _, _, _ in rows)
+    hidden_size = rows[0][1].shape[1]
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    hidden = torch.zeros(len(rows), width, hidden_size)
+    positions = torch.zeros(len(rows), width, dtype=torch.long)
+    for row, (row_tokens, row_hidden, start, _) in enumerate(rows):
+        tokens[row, : len(row_tokens)] = row_tokens
+        hidden[row, : len(row_tokens)] = row_hidden.float()
+        positions[row] = torch.arange(start, start + width)
+    lengths = torch.tensor([len(r[0]) for r in rows])
+    answer_start = torch.tensor([r[3] for r in rows])
+    return Batch(tokens.to(device), hidden.to(device), positions.to(device), lengths.to(device), answer_start.to(device))
+
+
+def label_rows(batch: Batch, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [N, 3] of (head k - 1, b, t), labels [N]) for every valid label token t + k + 1."""
+    width = batch.tokens.shape[1]
+    t = torch.arange(width, device=batch.tokens.device)  # [T]
+    k = torch.arange(1, num_positions + 1, device=t.device)  # [K]
+    label_index = t[None, None, :] + k[:, None, None] + 1  # [K, 1, T]
+    valid = (label_index < batch.lengths[None, :, None]) & (label_index >= batch.answer_start[None, :, None])  # [K, B, T]
+    rows = valid.nonzero()  # [N, 3]
+    labels = batch.tokens[rows[:, 1], (rows[:, 2] + rows[:, 0] + 2).clamp(max=width - 1)]  # [N]
+    return rows, labels
+
+
+def heads_loss(heads: DraftHeads, batch: Batch, parts: FrozenTargetParts, max_rows: int, head_decay: float,
+               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weighted CE loss, correct [K], counted [K]) on at most `max_rows` random label rows."""
+    features = heads(batch.hidden, batch.tokens, batch.positions, parts)  # [K, B, T, H]
+    rows, labels = label_rows(batch, heads.num_positions)
+    if rows.shape[0] > max_rows:
+        pick = torch.randperm(rows.shape[0], generator=generator)[:max_rows].to(rows.device)
+        rows, labels = rows[pick], labels[pick]
+    logits = heads.project(features[rows[:, 0], rows[:, 1], rows[:, 2]], parts).float()  # [N, V]
+    per_row = F.cross_entropy(logits, labels, reduction="none")  # [N]
+    num_positions = heads.num_positions
+    counted = torch.bincount(rows[:, 0], minlength=num_positions).float()  # [K]
+    loss_sum = torch.zeros(num_positions, device=logits.device).index_add(0, rows[:, 0], per_row)  # [K]
+    weights = head_decay ** torch.arange(num_positions, device=logits.device, dtype=torch.float32)  # [K]
+    present = counted > 0
+    loss = (weights * loss_sum / counted.clamp(min=1))[present].sum() / weights[present].sum().clamp(min=1e-9)
+    correct = torch.zeros(num_positions, device=logits.device).index_add(0, rows[:, 0], (logits.argmax(-1) == labels).float())
+    return loss, correct.detach().cpu(), counted.cpu()
+
+
+@torch.no_grad()
+def evaluate(heads: DraftHeads, samples: list[Sample], parts: FrozenTargetParts, settings: TrainSettings, device) -> dict:
+    """Held-out loss, top-1 agreement per head position and rank-r hit rates (r < EVAL_RANKS)."""
+    was_training = heads.training
+    heads.eval()
+    num_positions = heads.num_positions
+    generator = torch.Generator().manual_seed(settings.seed + 7919)
+    per_sample = max(1, settings.eval_rows // max(1, len(samples)))
+    loss_sum, rows_total = 0.0, 0
+    rank_hits = torch.zeros(num_positions, EVAL_RANKS)
+    counted = torch.zeros(num_positions)
+    for sample in samples:
+        batch = make_batch([sample], heads.input_layer, settings.max_seq_len, generator, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.dtype == "bf16"):
+            features = heads(batch.hidden, batch.tokens, batch.positions, parts)  # [K, 1, T, H]
+            rows, labels = label_rows(batch, num_positions)
+            if rows.shape[0] > per_sample:
+                pick = torch.randperm(rows.shape[0], generator=generator)[:per_sample].to(rows.device)
+                rows, labels = rows[pick], labels[pick]
+            for chunk in range(0, rows.shape[0], 512):
+                part_rows, part_labels = rows[chunk : chunk + 512], labels[chunk : chunk + 512]
+                logits = heads.project(features[part_rows[:, 0], part_rows[:, 1], part_rows[:, 2]], parts).float()
+                loss_sum += float(F.cross_entropy(logits, part_labels, reduction="sum"))
+                rows_total += part_rows.shape[0]
+                top = logits.topk(min(EVAL_RANKS, logits.shape[-1]), dim=-1).indices  # [n, R]
+                hits = (top == part_labels[:, None]).float().cpu()  # [n, R]
+                head = part_rows[:, 0].cpu()
+                rank_hits[:, : hits.shape[1]].index_add_(0, head, hits)
+                counted.index_add_(0, head, torch.ones(head.shape[0]))
+    heads.train(was_training)
+    rank_acc = (rank_hits / counted.clamp(min=1)[:, None]).tolist()
+    return {
+        "loss": loss_sum / max(1, rows_total),
+        "top1": [row[0] for row in rank_acc],
+        "rank_acc": rank_acc,  # [K][r]: share of labels that are the head's rank-r candidate
+        "rows": counted.long().tolist(),
+    }
+
+
+def lr_factor(step: int, progress: float, settings: TrainSettings) -> float:
+    """Linear warmup over warmup_steps, then cosine from 1 to min_lr_ratio over progress in [0, 1]."""
+    warmup = min(1.0, (step + 1) / max(1, settings.warmup_steps))
+    cosine = settings.min_lr_ratio + (1 - settings.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return warmup * cosine
+
+
+def split_samples(samples: list[Sample], eval_fraction: float) -> tuple[list[Sample], list[Sample]]:
+    """(train, held-out): the last ceil(fraction * n) samples are held out (at least one when n >= 2)."""
+    if len(samples) < 2 or eval_fraction <= 0:
+        return samples, samples[-1:]  # too little data to hold any out: evaluate on the last sample
+    num_eval = max(1, math.ceil(eval_fraction * len(samples)))
+    num_eval = min(num_eval, len(samples) - 1)
+    return samples[:-num_eval], samples[-num_eval:]
+
+
+# ----------------------------------------------------------------------------- the loop
+def train(
+    heads: DraftHeads,
+    target,
+    samples: list[Sample],
+    out_dir: str | Path,
+    settings: TrainSettings,
+    target_info: dict,
+    extra_config: dict | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    log=print,
+) -> TrainResult:
+    """Train `heads` on self-distilled `samples` and write a checkpoint to `out_dir` (see module doc)."""
+    from tqdm.auto import tqdm
+
+    settings.validate()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device(settings.device)
+    parts = FrozenTargetParts.from_target(target).to(device, torch.float32)
+    heads.to(device=device, dtype=torch.float32).train()
+    train_samples, eval_samples = split_samples(samples, settings.eval_fraction)
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay)
+    step, elapsed_before, history = 0, 0.0, {"train": [], "eval": []}
+    state_path = out_dir / STATE_FILE
+    if resume and state_path.is_file():
+        state = torch.load(state_path, map_location=device, weights_only=False)
+        if state["head"] != heads.head_config() or state["target_fingerprint"] != target_info["fingerprint"]:
+            raise ValueError(f"{state_path} belongs to other heads or another target; use a new --out or drop --resume")
+        heads.load_state_dict(state["heads"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, elapsed_before, history = state["step"], state["elapsed_s"], state["history"]
+        log(f"resuming from step {step} ({elapsed_before / 60:.1f} min trained so far)")
+    elif resume:
+        log(f"nothing to resume in {out_dir}: starting from scratch")
+    log(f"training {heads.kind} ({heads.num_positions} head positions, {sum(p.numel() for p in heads.parameters()) / 1e6:.2f}M "
+        f"params) on {len(train_samples)} samples, held-out {len(eval_samples)}, device {device}, {settings.dtype}")
+    if not history["eval"]:
+        history["eval"].append({"step": step, **evaluate(heads, eval_samples, parts, settings, device)})
+
+    def save(final: bool) -> None:
+        summary = {"steps": step, "elapsed_s": elapsed_before + (time.perf_counter() - started), "settings": asdict(settings)}
+        save_checkpoint(out_dir, heads, target_info, {**(extra_config or {}), "training": summary, "eval": history["eval"][-1]})
+        torch.save({"step": step, "heads": heads.state_dict(), "optimizer": optimizer.state_dict(), "history": history,
+                    "elapsed_s": summary["elapsed_s"], "head": heads.head_config(),
+                    "target_fingerprint": target_info["fingerprint"]}, state_path)
+        (out_dir / HISTORY_FILE).write_text(json.dumps(history))
+        if final:
+            plot_history(history, out_dir / PLOT_FILE, heads.kind)
+
+    started = time.perf_counter()
+    budget_s = settings.minutes * 60 if settings.minutes is not None else math.inf
+    bar = tqdm(total=settings.steps, initial=step, desc=f"train {heads.kind}", unit="step", disable=not progress)
+    try:
+        while (settings.steps is None or step < settings.steps) and time.perf_counter() - started < budget_s:
+            run_s = time.perf_counter() - started
+            progress_fraction = max(step / settings.steps if settings.steps else 0.0, run_s / budget_s)
+            for group in optimizer.param_groups:
+                group["lr"] = settings.lr * lr_factor(step, progress_fraction, settings)
+            generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
+            picks = torch.randint(0, len(train_samples), (settings.batch_size,), generator=generator).tolist()
+            batch = make_batch([train_samples[i] for i in picks], heads.input_layer, settings.max_seq_len, generator, device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.dtype == "bf16"):
+                loss, correct, counted = heads_loss(heads, batch, parts, settings.loss_rows, settings.head_decay, generator)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(heads.parameters(), settings.grad_clip)
+            optimizer.step()
+            step += 1
+            accuracy = (correct / counted.clamp(min=1)).tolist()
+            history["train"].append({"step": step, "loss": float(loss), "top1": accuracy, "lr": optimizer.param_groups[0]["lr"]})
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss):.3f}", head1=f"{accuracy[0]:.2f}")
+            if step % settings.eval_every == 0:
+                history["eval"].append({"step": step, **evaluate(heads, eval_samples, parts, settings, device)})
+            if step % settings.save_every == 0:
+                save(final=False)
+    except KeyboardInterrupt:
+        bar.close()
+        save(final=True)
+        log(f"interrupted at step {step}: checkpoint saved in {out_dir} (continue with --resume)")
+        raise
+    bar.close()
+    if history["eval"][-1]["step"] != step:
+        history["eval"].append({"step": step, **evaluate(heads, eval_samples, parts, settings, device)})
+    save(final=True)
+    final_eval = history["eval"][-1]
+    log(f"done: {step} steps; held-out loss {final_eval['loss']:.3f}, top-1 agreement per head "
+        + ", ".join(f"{acc:.3f}" for acc in final_eval["top1"]) + f"; checkpoint in {out_dir}")
+    return TrainResult(step, elapsed_before + time.perf_counter() - started, final_eval, out_dir, history)
+
+
+def plot_history(history: dict, path: Path, title: str) -> None:
+    """Loss (train + held-out) and held-out top-1 agreement per head position vs step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    train_points = history["train"]
+    if train_points:
+        loss_ax.plot([p["step"] for p in train_points], [p["loss"] for p in train_points], alpha=0.5, label="train")
+    eval_points = history["eval"]
+    loss_ax.plot([p["step"] for p in eval_points], [p["loss"] for p in eval_points], "o-", label="held-out")
+    loss_ax.set(xlabel="step", ylabel="cross-entropy", title=f"{title}: loss")
+    loss_ax.legend()
+    num_positions = len(eval_points[-1]["top1"]) if eval_points else 0
+    for head in range(num_positions):
+        acc_ax.plot([p["step"] for p in eval_points], [p["top1"][head] for p in eval_points], "o-", label=f"head {head + 1} (t+{head + 2})")
+    acc_ax.set(xlabel="step", ylabel="top-1 agreement", title="held-out agreement with the target", ylim=(0, 1))
+    acc_ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
