@@ -180,3 +180,21 @@ def test_planted_mismatch_fails_the_run(smollm2, tmp_path, capsys):
                                        plain=plain_tokens[position], got=(plain_tokens[position] + 1) % smollm2.vocab_size,
                                        exact=True)]
     assert "FAIL" in (tmp_path / "results.md").read_text()
+
+
+@needs_questions
+def test_a_method_that_raises_is_reported_and_fails_the_run(smollm2, tmp_path):
+    def broken(target, prompt_ids, max_new_tokens, sampling):
+        raise RuntimeError("planted failure")
+
+    register_method("broken-test", broken)
+    try:
+        config = BenchConfig(methods=["plain", "broken-test"], task_kinds=["qa"], limit_per_kind=1, max_new_tokens=4,
+                             out_dir=str(tmp_path), progress=False, warmup=False)
+        result = run_benchmark(config, target=smollm2)
+    finally:
+        unregister_method("broken-test")
+    assert result.exit_code == 1
+    status = {m["label"]: (m["status"], m["reason"]) for m in result.methods}
+    assert status == {"plain": ("ok", None), "broken-test": ("error", "RuntimeError: planted failure")}
+    assert "error: RuntimeError: planted failure" in (tmp_path / "results.md").read_text()

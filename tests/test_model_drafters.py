@@ -68,28 +68,28 @@ class CountingTarget:
 
 
 # ---------------------------------------------------------------------------- greedy exactness
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def _greedy_results(target, drafter, tree: bool, max_new_tokens: int):
+    """Chains run each prompt alone; trees run both prompts as one batch (which must equal each alone)."""
+    if tree:
+        return generate_batch(target, list(PROMPTS), drafter, max_new_tokens)
+    return [generate(target, prompt, drafter, max_new_tokens=max_new_tokens) for prompt in PROMPTS]
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree-batch"])
 def test_small_model_greedy_equals_plain(smollm2, smollm2_bf16, plain_outputs, tree):
     drafter = make_drafter("small-model", smollm2, draft_target=smollm2_bf16, tree=tree, tree_beam=2)
-    taus = []
-    for prompt, expected in zip(PROMPTS, plain_outputs):
-        result = generate(smollm2, prompt, drafter, max_new_tokens=MAX_NEW)
-        assert result.tokens == expected
-        taus.append(result.stats.tau)
-    assert max(taus) > 2.0  # a bf16 copy of the target agrees almost always: drafts are accepted
+    results = _greedy_results(smollm2, drafter, tree, MAX_NEW)
+    assert [result.tokens for result in results] == plain_outputs
+    # a bf16 copy of the target agrees almost always: most drafts are accepted
+    assert max(result.stats.tau for result in results) > 2.0
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree-batch"])
 def test_layer_skip_greedy_equals_plain(smollm2, plain_outputs, tree):
+    # an untrained 4-block draft is rarely right, so keep it short: greedy of 16 tokens is a prefix of 24
     drafter = make_drafter("layer-skip", smollm2, num_layers=4, gamma=2, tree=tree, tree_nodes=4, tree_depth=2)
-    for prompt, expected in zip(PROMPTS, plain_outputs):
-        assert generate(smollm2, prompt, drafter, max_new_tokens=MAX_NEW).tokens == expected
-
-
-def test_batch_of_two_equals_each_alone(smollm2, smollm2_bf16, plain_outputs):
-    drafter = make_drafter("small-model", smollm2, draft_target=smollm2_bf16, tree=True)
-    batch = generate_batch(smollm2, list(PROMPTS), drafter, max_new_tokens=MAX_NEW)
-    assert [result.tokens for result in batch] == plain_outputs
+    results = _greedy_results(smollm2, drafter, tree, 16)
+    assert [result.tokens for result in results] == [tokens[:16] for tokens in plain_outputs]
 
 
 def test_padded_draft_head_is_sliced_to_the_shared_tokenizer(tmp_path, tiny_pair):
@@ -156,13 +156,13 @@ def _drafted_pair_pvalue(target, drafter, prompt: list[int], runs: int) -> float
 
 
 class MisreportsTemperatureDrafter(SmallModelDrafter):
-    """WRONG on purpose: samples from q (temperature 1) but reports q**2 renormalised, i.e. the draft
-    distribution at temperature 0.5."""
+    """WRONG on purpose: samples from q (temperature 1) but reports sqrt(q) renormalised, i.e. the
+    draft distribution at temperature 2."""
 
     def propose(self, ctx, budget):
         draft = super().propose(ctx, budget)
-        sharpened = draft.draft_probs**2  # [N, V]
-        return Draft(draft.tokens, draft.parents, sharpened / sharpened.sum(-1, keepdim=True))
+        flattened = draft.draft_probs.sqrt()  # [N, V]
+        return Draft(draft.tokens, draft.parents, flattened / flattened.sum(-1, keepdim=True))
 
 
 class DropsUnlikelyTokensDrafter(SmallModelDrafter):
@@ -179,14 +179,14 @@ class DropsUnlikelyTokensDrafter(SmallModelDrafter):
 def test_sampled_drafts_keep_the_target_distribution(tmp_path):
     # an 8-token vocabulary keeps the joint of two tokens small enough for a sharp chi-square test
     target, draft_model = _make_tiny_pair(tmp_path, 8)
-    prompt = [0, 5, 7, 3, 6]
+    prompt = [0, 3, 4, 5]
     sampled_chain = SmallModelDrafter(target, draft_target=draft_model, gamma=2)
-    assert _drafted_pair_pvalue(target, sampled_chain, prompt, runs=3000) > 1e-3
+    assert _drafted_pair_pvalue(target, sampled_chain, prompt, runs=1500) > 1e-3
     top_k_tree = SmallModelDrafter(target, draft_target=draft_model, tree=True, tree_nodes=2, tree_depth=2)
-    assert _drafted_pair_pvalue(target, top_k_tree, prompt, runs=1000) > 1e-3
+    assert _drafted_pair_pvalue(target, top_k_tree, prompt, runs=600) > 1e-3
     # the same test catches lossy variants
-    for wrong in (MisreportsTemperatureDrafter, DropsUnlikelyTokensDrafter):
-        assert _drafted_pair_pvalue(target, wrong(target, draft_target=draft_model, gamma=2), prompt, runs=1000) < 1e-6
+    for wrong, runs in ((MisreportsTemperatureDrafter, 600), (DropsUnlikelyTokensDrafter, 1000)):
+        assert _drafted_pair_pvalue(target, wrong(target, draft_target=draft_model, gamma=2), prompt, runs) < 1e-6
 
 
 # ---------------------------------------------------------------------------- cache rollback

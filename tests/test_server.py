@@ -13,6 +13,8 @@ import pytest
 import uvicorn
 
 from specdec import SamplingParams, generate, make_drafter
+from specdec.draft import Draft
+from specdec.drafters.base import Drafter
 from specdec.server import TextDeltas, create_app
 from specdec.server.app import add_serve_arguments, parse_gamma
 from specdec.server.metrics import parse_metrics
@@ -265,8 +267,8 @@ def test_disconnect_mid_stream_frees_the_slot_and_full_queue_gives_429(smollm2, 
     with httpx.Client(timeout=60, headers=AUTH) as http:
         with http.stream("POST", tiny_url + "/v1/chat/completions", json={"model": smollm2.name, **LONG}) as stream:
             lines = stream.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))  # it is running
-            assert metrics(tiny_url, AUTH)["specdec_running_requests"] == 1
+            assert next(line for line in lines if line.startswith("data:"))
+            _wait_for(lambda: metrics(tiny_url, AUTH)["specdec_running_requests"] == 1)  # admitted, generating
             # the one slot is busy: the next request waits in the one queue place ...
             waiting = concurrent.futures.ThreadPoolExecutor(1).submit(
                 http.post, tiny_url + "/v1/chat/completions",
@@ -283,6 +285,45 @@ def test_disconnect_mid_stream_frees_the_slot_and_full_queue_gives_429(smollm2, 
     after = metrics(tiny_url, AUTH)
     assert after[cancelled] == start + 1
     assert after["specdec_queue_length"] == 0
+
+
+def test_non_streaming_client_that_gives_up_is_cancelled(smollm2, tiny_url):
+    cancelled = 'specdec_generations_total{finish_reason="cancelled"}'
+    start = metrics(tiny_url, AUTH).get(cancelled, 0)
+    body = {"model": smollm2.name, **LONG, "stream": False}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(tiny_url + "/v1/chat/completions", json=body, headers=AUTH, timeout=1.5)
+    _wait_for(lambda: metrics(tiny_url, AUTH).get(cancelled, 0) == start + 1)
+    assert metrics(tiny_url, AUTH)["specdec_running_requests"] == 0
+
+
+class _ExplodingDrafter(Drafter):
+    """A drafter with a bug that only shows on prompts containing EXPLODE (the server must survive it)."""
+
+    name = "exploding-test-drafter"
+    default_budget = 2
+
+    def begin(self, prompt_ids, target) -> None:
+        self.explode = "EXPLODE" in target.decode(prompt_ids)
+
+    def propose(self, ctx, budget):
+        if self.explode:
+            raise RuntimeError("drafter bug")
+        return Draft.empty()
+
+
+def test_a_failing_generation_is_a_500_and_the_server_keeps_serving(smollm2):
+    app = create_app(smollm2, _ExplodingDrafter(), max_running=2, max_model_len=256)
+    with running_server(app) as url:
+        body = {"model": smollm2.name, "max_tokens": 6, "temperature": 0}
+        failed = httpx.post(url + "/v1/chat/completions", timeout=60,
+                            json={**body, "messages": [{"role": "user", "content": "EXPLODE now"}]})
+        assert failed.status_code == 500 and "drafter bug" in failed.json()["error"]["message"]
+        fine = httpx.post(url + "/v1/chat/completions", timeout=60,
+                          json={**body, "messages": [{"role": "user", "content": "Say hi."}]})
+        assert fine.status_code == 200
+        assert fine.json()["choices"][0]["message"]["content"] == generate(smollm2, "Say hi.", max_new_tokens=6).text
+        assert metrics(url)["specdec_running_requests"] == 0
 
 
 # ---------------------------------------------------------------- pieces without a server

@@ -118,13 +118,15 @@ def _format_cell(cell: dict) -> str:
     return f"{cell['speedup']:.2f}x{tau}"
 
 
-def _output_check(entry: dict, greedy: bool) -> str:
+def _output_check(label: str, entry: dict, greedy: bool) -> str:
+    if label == BASELINE:
+        return "reference"
     if not greedy:
         return "not checked (sampling)"
     if entry["mismatches"]:
         verdict = "FAIL" if entry["exact"] else "warning"
         return f"{verdict}: {entry['mismatches']}/{entry['checked']} differ"
-    return f"= plain ({entry['checked']})" if entry["checked"] else "reference"
+    return f"= plain ({entry['checked']} outputs)"
 
 
 def markdown_table(summary: dict, config: dict) -> str:
@@ -145,12 +147,12 @@ def markdown_table(summary: dict, config: dict) -> str:
     notes = []
     for label, entry in summary["methods"].items():
         if entry["status"] != "ok":
-            lines.append(f"| {label} | " + " | ".join("n/a" for _ in kinds) + f" | n/a | n/a | n/a: {entry['reason']} |")
+            lines.append(f"| {label} | " + " | ".join("n/a" for _ in kinds) + f" | n/a | n/a | {entry['status']}: {entry['reason']} |")
             continue
         cells = [_format_cell(entry["per_kind"][k]) for k in kinds] + [_format_cell(entry["overall"])]
         speed = entry["overall"]["tokens_per_s"]
         speed_text = "-" if speed is None else f"{speed:.2f}"
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {speed_text} | {_output_check(entry, greedy)} |")
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {speed_text} | {_output_check(label, entry, greedy)} |")
         if entry["peer"]:
             notes.append(label)
     lines.append("")

@@ -18,6 +18,7 @@ import gc
 import inspect
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -85,10 +86,10 @@ class MethodSpec:
 
 @dataclass
 class BenchResult:
-    exit_code: int  # 0 = ok, 1 = a specdec method's greedy output differed from plain decoding
+    exit_code: int  # 0 = ok, 1 = a specdec method's greedy output differed from plain decoding, or a method raised
     out_dir: Path
     rows: list[dict]
-    methods: list[dict]  # per method: label, status ("ok" | "n/a"), reason, exact, peer, description
+    methods: list[dict]  # per method: label, status ("ok" | "n/a" | "error"), reason, exact, peer, description
     summary: dict
     mismatches: list[dict]
     markdown: str
@@ -241,7 +242,10 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
     failed = [m for m in run.mismatches if m["exact"]]
     if failed:
         print(f"FAILED: {len(failed)} output(s) of specdec methods differ from plain decoding (see above)", file=sys.stderr)
-    return BenchResult(1 if failed else 0, out_dir, run.rows, run.methods, summary, run.mismatches, markdown)
+    errors = [m["label"] for m in run.methods if m["status"] == "error"]
+    if errors:
+        print(f"FAILED: method(s) {', '.join(errors)} raised an error (see above)", file=sys.stderr)
+    return BenchResult(1 if failed or errors else 0, out_dir, run.rows, run.methods, summary, run.mismatches, markdown)
 
 
 def _peer_target(target, dtype: str):
@@ -287,15 +291,20 @@ class _Run:
         except MethodUnavailable as why:
             self.unavailable(spec, entry, str(why))
             return
+        record = dict(label=spec.label, status="ok", reason=None, exact=method.exact, peer=entry.peer,
+                      description=method.description)
+        self.methods.append(record)
         try:
-            self.methods.append(dict(label=spec.label, status="ok", reason=None, exact=method.exact,
-                                     peer=entry.peer, description=method.description))
             if self.config.warmup:  # first calls pay for lazy init / allocator growth: not timed
                 first = target.encode_prompt([{"role": "user", "content": self.questions[0].turns[0]}])
                 method.generate(first, min(WARMUP_TOKENS, self.config.max_new_tokens), self.sampling)
             with _progress(self.config.progress, spec.label, sum(len(q.turns) for q in self.questions)) as advance:
                 for question in self.questions:
                     self._question(spec.label, method, target, question, advance)
+        except Exception as error:  # one broken method must not lose the others' results (a long run)
+            traceback.print_exc()
+            record.update(status="error", reason=f"{type(error).__name__}: {error}")
+            print(f"ERROR: method {spec.label!r} failed: {record['reason']}", file=sys.stderr)
         finally:
             method.close()
             del method

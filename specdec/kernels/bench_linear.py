@@ -2,7 +2,8 @@
 
     python -m specdec.kernels.bench_linear                       # 8960x1536 and 1536x1536, rows 1..16
     python -m specdec.kernels.bench_linear --shapes model        # every 0.5B/1.5B layer shape + LM heads
-    python -m specdec.kernels.bench_linear --methods torch,cpp --rows 1,8 --reps 30
+    python -m specdec.kernels.bench_linear --methods torch,cpp_avx512 --rows 1,8 --reps 30
+    python -m specdec.kernels.bench_linear --forward qwen2.5-0.5b   # whole native forward, random weights
 
 Shapes are weight shapes [out, in]. By default weights are "cold": each method cycles through
 enough copies of the weight to overflow the CPU caches (~1 GiB per shape), as in a real forward
@@ -104,8 +105,8 @@ def bench_shape(out_features: int, in_features: int, rows: list[int], methods: d
     return results
 
 
-def format_table(shape: tuple[int, int], results: dict, rows: list[int], show_min: bool) -> str:
-    header = f"| {shape[0]}x{shape[1]} | " + " | ".join(f"{r} rows" for r in rows) + " | 8/1 |"
+def format_table(title: str, results: dict, rows: list[int], show_min: bool) -> str:
+    header = f"| {title} | " + " | ".join(f"{r} rows" for r in rows) + " | 8/1 |"
     lines = [header, "|" + "---|" * (len(rows) + 2)]
     for name, per_rows in results.items():
         cells = []
@@ -119,6 +120,57 @@ def format_table(shape: tuple[int, int], results: dict, rows: list[int], show_mi
     return "\n".join(lines)
 
 
+# Qwen2.5-Coder shapes (config.json of the released models) for a random-weight native forward
+FORWARD_CONFIGS = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12),
+}
+
+
+def random_native_target(config_name: str):
+    """A native Qwen2 target with the named model's shapes and random weights (nothing downloaded)."""
+    from transformers import AutoConfig
+
+    from ..models.llama import LlamaModel, NativeTarget, _rope_inv_freq
+
+    cfg = AutoConfig.for_model(
+        "qwen2", vocab_size=151936, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, **FORWARD_CONFIGS[config_name],
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model = model.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.02)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    inv_freq, model.attention_scaling = _rope_inv_freq(cfg)
+    model.inv_freq = inv_freq
+    return NativeTarget(model, tokenizer=None, name=f"random-{config_name}")
+
+
+def bench_forward(config_name: str, rows: list[int], backends: list[str], reps: int, prefix_len: int = 64) -> dict:
+    """{backend: {k: [ms, ...]}}: one target forward over k new tokens after a fixed prefix."""
+    from .skinny_gemm import fast_linear_modules
+
+    target = random_native_target(config_name)
+    cache = target.new_cache(1, prefix_len + max(rows) + 1)
+    tokens = torch.randint(0, target.vocab_size, (1, prefix_len + max(rows)))  # [1, P + k]
+    target.forward(tokens[:, :prefix_len], torch.arange(prefix_len)[None], cache)
+    results = {name: {k: [] for k in rows} for name in backends}
+    for rep in range(reps + 1):  # rep 0 warms up every backend / row count
+        for name in backends:
+            fast_linear_modules(target.model, backend=name)
+            for k in rows:
+                start = time.perf_counter()
+                target.forward(tokens[:, prefix_len : prefix_len + k], torch.arange(prefix_len, prefix_len + k)[None], cache)
+                elapsed = (time.perf_counter() - start) * 1e3
+                cache.truncate(prefix_len)
+                if rep:
+                    results[name][k].append(elapsed)
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="default", help="'default', 'model', or e.g. '8960x1536,896x896' ([out]x[in])")
@@ -128,7 +180,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's own)")
     parser.add_argument("--hot", action="store_true", help="reuse one weight copy (cache-resident)")
     parser.add_argument("--min", action="store_true", help="also print the minimum: 'median (min)'")
+    parser.add_argument("--forward", choices=sorted(FORWARD_CONFIGS), help="time whole native forwards instead")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",")]
+    if args.forward:
+        backends = args.methods.split(",") if args.methods else ["torch", "cpp"]
+        results = bench_forward(args.forward, rows, backends, args.reps)
+        print(f"# native forward over k new tokens (64-token prefix), {args.forward} random weights, "
+              f"{torch.get_num_threads()} threads, median{' (min)' if args.min else ''} ms of {args.reps} reps\n")
+        print(format_table(f"forward {args.forward}", results, rows, args.min))
+        return
 
     named = {"default": DEFAULT_SHAPES, "model": MODEL_SHAPES}
     if args.shapes in named:
@@ -138,9 +201,6 @@ def main(argv: list[str] | None = None) -> None:
             shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
         except ValueError:
             raise SystemExit(f"--shapes: expected 'default', 'model' or OUTxIN[,OUTxIN...], got {args.shapes!r}")
-    rows = [int(r) for r in args.rows.split(",")]
-    if args.threads:
-        torch.set_num_threads(args.threads)
     methods = method_table()
     if args.methods:
         wanted = args.methods.split(",")
@@ -156,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     for shape in shapes:
         results = bench_shape(shape[0], shape[1], rows, methods, args.reps, args.hot)
         print()
-        print(format_table(shape, results, rows, args.min), flush=True)
+        print(format_table(f"{shape[0]}x{shape[1]}", results, rows, args.min), flush=True)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ NO_COMPILER = ("", "none", "0", "off")
 ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx2", "-mfma"), "avx2": ("-mavx2", "-mfma")}
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-math-errno")
 DEFAULT_SPIN_US = 50
+_FP32 = torch.float32
 
 
 class KernelUnavailable(RuntimeError):
@@ -110,17 +111,18 @@ class SkinnyGemmLibrary:
         except ValueError:
             raise ValueError(f"{ENV_SPIN_US} must be a whole number of microseconds, got {spin!r}") from None
 
-    def linear_f32(self, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_threads: int) -> torch.Tensor:
-        """x2d [M, K], weight [N, K], bias [N] or None: contiguous fp32 CPU tensors -> [M, N]."""
-        rows, in_features = x2d.shape
-        out_features = weight.shape[0]
-        out = torch.empty((rows, out_features), dtype=torch.float32)  # [M, N]
+    def linear_f32(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_threads: int) -> torch.Tensor:
+        """x [..., K], weight [N, K], bias [N] or None: contiguous fp32 CPU tensors -> [..., N].
+
+        No checks here (the caller's job); kept lean because a 0.5B model makes ~170 calls per token."""
+        in_features = weight.shape[1]
+        out = torch.empty(x.shape[:-1] + (weight.shape[0],), dtype=torch.float32)  # [..., N]
         status = self._linear(
-            x2d.data_ptr(), rows, in_features, weight.data_ptr(), out_features,
+            x.data_ptr(), x.numel() // in_features, in_features, weight.data_ptr(), weight.shape[0],
             None if bias is None else bias.data_ptr(), out.data_ptr(), num_threads,
         )  # fmt: skip
         if status != 0:
-            raise RuntimeError(f"skinny GEMM kernel rejected shapes x {tuple(x2d.shape)} w {tuple(weight.shape)}")
+            raise RuntimeError(f"skinny GEMM kernel rejected shapes x {tuple(x.shape)} w {tuple(weight.shape)}")
         return out
 
 
@@ -223,20 +225,21 @@ class CppSkinnyLinear:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not self._kernel_applies(x, weight, bias):
             return F.linear(x, weight, bias)
-        x2d = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]
-        out = self.library.linear_f32(x2d, weight, bias, torch.get_num_threads())  # [M, N]
-        return out.view(*x.shape[:-1], weight.shape[0])
+        if not x.is_contiguous():
+            x = x.contiguous()
+        return self.library.linear_f32(x, weight, bias, torch.get_num_threads())  # [..., N]
 
     @staticmethod
     def _kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        tensors = (x, weight) if bias is None else (x, weight, bias)
-        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        """fp32 CPU inference with a contiguous weight; cheap attribute checks only (hot path)."""
+        if not (x.dtype is _FP32 and weight.dtype is _FP32 and x.is_cpu and weight.is_cpu and weight.is_contiguous()):
             return False
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        if bias is not None and not (bias.dtype is _FP32 and bias.is_cpu and bias.is_contiguous()):
             return False
-        if x.shape[-1] != weight.shape[1] or x.shape[-1] == 0:
-            return False  # let F.linear raise its usual shape error / handle empty inputs
-        return weight.is_contiguous() and (bias is None or bias.is_contiguous())
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+            return False  # the kernel has no backward
+        # let F.linear raise its usual shape error / handle empty inputs
+        return x.shape[-1] == weight.shape[1] and x.numel() > 0
 
 
 BACKENDS = {"cpp": CppSkinnyLinear, "torch": TorchLinear, "rowwise": RowwiseTorchLinear}

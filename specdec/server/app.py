@@ -315,7 +315,8 @@ class _Server:
 
 def create_app(target, drafter=None, *, gamma=None, budget_policy=None, model_name: str | None = None,
                max_running: int = 8, max_queue: int = 64, max_model_len: int = 2048, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, default_max_tokens: int = 512) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, default_max_tokens: int = 512,
+               max_prefill_tokens: int = 4096) -> FastAPI:
     """A FastAPI app serving `target` (optionally speculating with `drafter`).
 
     gamma: None (drafter default), an int (fixed draft budget) or "auto" (load-aware cost model);
@@ -325,7 +326,7 @@ def create_app(target, drafter=None, *, gamma=None, budget_policy=None, model_na
         raise ValueError(f"default_max_tokens and max_body_bytes must be >= 1, got {default_max_tokens}, {max_body_bytes}")
     metrics = ServerMetrics()
     policy = budget_policy or budget_policy_for(target, drafter, gamma)
-    scheduler = Scheduler(target, drafter, policy, max_running, max_queue, max_model_len, metrics)
+    scheduler = Scheduler(target, drafter, policy, max_running, max_queue, max_model_len, metrics, max_prefill_tokens)
     metrics.watch(queue_length=lambda: scheduler.queue_length, running=lambda: scheduler.running)
     names = [model_name or target.name] + ([target.name] if model_name and model_name != target.name else [])
     server = _Server(target, scheduler, names, max_model_len, default_max_tokens, max_body_bytes)
@@ -419,6 +420,8 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
     parser.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens per request")
     parser.add_argument("--default-max-tokens", type=int, default=512, help="max_tokens when a request gives none")
+    parser.add_argument("--max-prefill-tokens", type=int, default=4096,
+                        help="admit waiting requests while rows x longest prompt stays under this (one prefill)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="request body limit (413)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -444,7 +447,7 @@ def run_serve(args) -> int:
     from ..drafters import make_drafter
 
     gamma = parse_gamma(args.gamma)
-    for name in ("max_running", "max_model_len", "default_max_tokens", "max_body_bytes"):
+    for name in ("max_running", "max_model_len", "default_max_tokens", "max_body_bytes", "max_prefill_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_queue < 0:
@@ -455,7 +458,8 @@ def run_serve(args) -> int:
     drafter = make_drafter(args.drafter, target, **options) if args.drafter else None
     app = create_app(target, drafter, gamma=gamma, model_name=args.served_model_name or args.model,
                      max_running=args.max_running, max_queue=args.max_queue, max_model_len=args.max_model_len,
-                     api_key=args.api_key, max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens)
+                     api_key=args.api_key, max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
+                     max_prefill_tokens=args.max_prefill_tokens)
     log.info("serving %s (drafter %s, gamma %s) on http://%s:%d/v1", args.model, args.drafter or "none", gamma,
              args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

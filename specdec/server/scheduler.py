@@ -85,12 +85,15 @@ class Scheduler:
     """Owns the target, the drafter and the SpecBatch; runs on its own thread."""
 
     def __init__(self, target, drafter=None, budget_policy=None, max_running: int = 8, max_queue: int = 64,
-                 max_model_len: int = 2048, metrics: ServerMetrics | None = None):
-        if max_running < 1 or max_queue < 0 or max_model_len < 2:
-            raise ValueError(f"need max_running >= 1, max_queue >= 0, max_model_len >= 2; got "
-                             f"{max_running}, {max_queue}, {max_model_len}")
+                 max_model_len: int = 2048, metrics: ServerMetrics | None = None, max_prefill_tokens: int = 4096):
+        if max_running < 1 or max_queue < 0 or max_model_len < 2 or max_prefill_tokens < 1:
+            raise ValueError(f"need max_running >= 1, max_queue >= 0, max_model_len >= 2, max_prefill_tokens >= 1; "
+                             f"got {max_running}, {max_queue}, {max_model_len}, {max_prefill_tokens}")
         self.target = target
         self.max_running, self.max_queue, self.max_model_len = max_running, max_queue, max_model_len
+        # one admission prefill pads every prompt to the longest: cap rows x longest so a burst of long
+        # prompts cannot stall the running sequences (or blow up attention memory) in one forward
+        self.max_prefill_tokens = max_prefill_tokens
         self.metrics = metrics or ServerMetrics()
         policy = budget_policy or FixedBudget()
         # size the cache so any prompt + max_tokens <= max_model_len fits with the largest draft block
@@ -156,25 +159,37 @@ class Scheduler:
                 cancelled_waiting = [r for r in self._waiting if r.cancelled]
                 for request in cancelled_waiting:
                     self._waiting.remove(request)
-                room = self.max_running - len(self._running)
-                admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
             for request in cancelled_waiting:
-                self._push(request, FinishedEvent("cancelled", "", [], SpecStats()))
-            self._drop_cancelled()
+                self._finish_unstarted(request)
+            self._drop_cancelled()  # before admitting, so freed rows are reused at once
+            with self._wake:
+                admitted = self._pop_admissible()
             if admitted:
-                self._guarded(self._admit, admitted)
+                self._guarded(lambda: self._admit(admitted), admitted)
             if self.batch.seqs:
-                self._guarded(self._step, None)
+                self._guarded(self._step, list(self._running.values()))
             self._drop_orphans()
         self._fail_all("the server is shutting down")
 
-    def _guarded(self, action, argument) -> None:
+    def _pop_admissible(self) -> list[GenerationRequest]:
+        """Waiting requests (FIFO) that fit the free rows and the padded prefill budget (at least one)."""
+        room = self.max_running - len(self._running)
+        admitted: list[GenerationRequest] = []
+        longest = 0
+        while self._waiting and len(admitted) < room:
+            candidate = max(longest, len(self._waiting[0].prompt_ids))
+            if admitted and (len(admitted) + 1) * candidate > self.max_prefill_tokens:
+                break
+            admitted.append(self._waiting.popleft())
+            longest = candidate
+        return admitted
+
+    def _guarded(self, action, affected: list[GenerationRequest]) -> None:
         """Run one batch action; on an unexpected error fail the affected requests, keep serving."""
         try:
-            action(argument) if argument is not None else action()
+            action()
         except Exception as error:  # noqa: BLE001 - a bug must not kill the server thread
             log.exception("generation failed")
-            affected = argument if argument is not None else list(self._running.values())
             for request in affected:
                 self._finish_with_error(request, f"generation failed: {type(error).__name__}: {error}")
 
@@ -182,7 +197,7 @@ class Scheduler:
         live = [r for r in requests if not r.cancelled]
         for request in requests:
             if request.cancelled:
-                self._push(request, FinishedEvent("cancelled", "", [], SpecStats()))
+                self._finish_unstarted(request)
         if not live:
             return
         seqs = self.batch.add([r.prompt_ids for r in live], [r.sampling for r in live],
@@ -237,6 +252,12 @@ class Scheduler:
         decode_seconds = time.perf_counter() - request.first_token_at if request.first_token_at else None
         self.metrics.record_finished(seq.stats, reason, decode_seconds)
         self._push(request, FinishedEvent(reason, text, output, seq.stats))
+
+    def _finish_unstarted(self, request: GenerationRequest) -> None:
+        """Cancelled while still waiting: it never took a row."""
+        stats = SpecStats()
+        self.metrics.record_finished(stats, "cancelled", None)
+        self._push(request, FinishedEvent("cancelled", "", [], stats))
 
     def _finish_with_error(self, request: GenerationRequest, message: str) -> None:
         seq = request.sequence

@@ -219,8 +219,12 @@ def train(
     resume: bool = False,
     progress: bool = True,
     log=print,
+    stop_after_steps: int | None = None,
 ) -> TrainResult:
-    """Train `heads` on self-distilled `samples` and write a checkpoint to `out_dir` (see module doc)."""
+    """Train `heads` on self-distilled `samples` and write a checkpoint to `out_dir` (see module doc).
+
+    `stop_after_steps` ends this run after that many steps as if it were interrupted (the
+    checkpoint and state are saved; a `resume=True` run continues the same schedule)."""
     from tqdm.auto import tqdm
 
     settings.validate()
@@ -262,7 +266,8 @@ def train(
     budget_s = settings.minutes * 60 if settings.minutes is not None else math.inf
     bar = tqdm(total=settings.steps, initial=step, desc=f"train {heads.kind}", unit="step", disable=not progress)
     try:
-        while (settings.steps is None or step < settings.steps) and time.perf_counter() - started < budget_s:
+        stop_at = math.inf if stop_after_steps is None else step + stop_after_steps
+        while (settings.steps is None or step < settings.steps) and time.perf_counter() - started < budget_s and step < stop_at:
             run_s = time.perf_counter() - started
             progress_fraction = max(step / settings.steps if settings.steps else 0.0, run_s / budget_s)
             for group in optimizer.param_groups:
@@ -278,9 +283,9 @@ def train(
             optimizer.step()
             step += 1
             accuracy = (correct / counted.clamp(min=1)).tolist()
-            history["train"].append({"step": step, "loss": float(loss), "top1": accuracy, "lr": optimizer.param_groups[0]["lr"]})
+            history["train"].append({"step": step, "loss": loss.item(), "top1": accuracy, "lr": optimizer.param_groups[0]["lr"]})
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}", head1=f"{accuracy[0]:.2f}")
+            bar.set_postfix(loss=f"{loss.item():.3f}", head1=f"{accuracy[0]:.2f}")
             if step % settings.eval_every == 0:
                 history["eval"].append({"step": step, **evaluate(heads, eval_samples, parts, settings, device)})
             if step % settings.save_every == 0:

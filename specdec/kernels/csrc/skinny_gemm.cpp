@@ -265,8 +265,9 @@ void sg_set_spin_us(int64_t spin_us) {
 // x [M, K], w [N, K], bias [N] or null, y [M, N]: all contiguous fp32. Returns 0 on success.
 int sg_linear_f32(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* y,
                   int num_threads) {
-  if (M < 0 || K <= 0 || N < 0 || !x || !w || !y) return 1;
-  if (M == 0 || N == 0) return 0;
+  if (M < 0 || K <= 0 || N < 0) return 1;
+  if (M == 0 || N == 0) return 0;  // empty tensors may have null data pointers
+  if (!x || !w || !y) return 1;
   LinearJob job;
   job.x = x;
   job.M = M;

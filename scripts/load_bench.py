@@ -1,0 +1,291 @@
+"""Load benchmark: per-user and total tokens/s at several concurrencies, with and without speculation.
+
+For each configuration (plain decoding, then speculation with --drafter / --gamma) it starts
+`specdec serve` on loopback itself, sends streaming chat requests from N concurrent users
+(N = each --concurrency level; every user sends --requests-per-user requests back to back), and
+records per request: time to first token, end-to-end time, completion tokens. It writes
+
+    OUT/load_bench.json   one row per (configuration, concurrency) + the raw requests
+    OUT/load_bench.png    per-user tokens/s (y) against total tokens/s (x), one line per configuration
+
+    python scripts/load_bench.py --model smollm2-135m --drafter pld --concurrency 1,2,4,8 --max-tokens 128
+
+The client side uses only the standard library (http.client), so the measurement does not depend
+on the client package; the server's /metrics gives the speculative figures of each level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import http.client
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+PROMPTS = [
+    "Rewrite this Python function with a docstring and type hints, keeping the code the same:\n\n"
+    "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n    return total / len(values)\n",
+    "Summarise this paragraph in two sentences: Speculative decoding lets a cheap drafter propose several tokens "
+    "that the large model checks in one forward pass. Accepted tokens are kept, and the first rejected one is "
+    "replaced by a token sampled from the corrected distribution, so the output distribution is unchanged.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain step by step how to make a cup of tea.",
+    "List ten animals that live in the ocean, one per line, each with a one-line fact.",
+    "Repeat the following sentence three times: the quick brown fox jumps over the lazy dog.",
+    "Describe the water cycle for a ten-year-old.",
+    "Write a JSON object describing a book with title, author, year and three keywords.",
+]
+
+
+@dataclass
+class RequestResult:
+    user: int
+    prompt_index: int
+    start_s: float
+    first_token_s: float | None
+    end_s: float
+    completion_tokens: int
+    status: int
+    error: str | None = None
+
+    @property
+    def latency_s(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.latency_s if self.latency_s > 0 else 0.0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def http_json(port: int, method: str, path: str, body=None, timeout: float = 600.0):
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        payload = json.dumps(body).encode() if body is not None else None
+        connection.request(method, path, payload, {"Content-Type": "application/json"} if payload else {})
+        response = connection.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        connection.close()
+
+
+def start_server(args, config: str, port: int, log_path: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "specdec.cli", "serve", "--model", args.model, "--port", str(port),
+               "--max-running", str(max(args.concurrency)), "--max-model-len", str(args.max_model_len),
+               "--log-level", "warning"]
+    if config == "speculative":
+        command += ["--drafter", args.drafter, "--gamma", args.gamma]
+        for pair in args.drafter_arg:
+            command += ["--drafter-arg", pair]
+    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    log = open(log_path, "w")  # noqa: SIM115 - closed by the caller via process.log
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    process.log = log
+    deadline = time.monotonic() + args.startup_timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}; see {log_path}")
+        try:
+            status, _ = http_json(port, "GET", "/health", timeout=5)
+            if status == 200:
+                return process
+        except OSError:
+            pass
+        time.sleep(0.5)
+    stop_server(process)
+    raise RuntimeError(f"the server did not become healthy in {args.startup_timeout}s; see {log_path}")
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    process.log.close()
+
+
+def stream_chat(port: int, model: str, prompt: str, max_tokens: int, temperature: float, user: int,
+                prompt_index: int) -> RequestResult:
+    """One streaming chat request; the usage chunk gives the completion token count."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first_token, tokens, status, error = None, 0, 0, None
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    try:
+        connection.request("POST", "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        status = response.status
+        if status != 200:
+            error = response.read().decode()[:500]
+        else:
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data:"):])
+                if "error" in chunk:
+                    error = chunk["error"]["message"]
+                    break
+                if first_token is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                    first_token = time.perf_counter()
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    except OSError as failure:
+        error = f"{type(failure).__name__}: {failure}"
+    finally:
+        connection.close()
+    return RequestResult(user, prompt_index, start, first_token, time.perf_counter(), tokens, status, error)
+
+
+def scrape(port: int) -> dict[str, float]:
+    status, text = http_json(port, "GET", "/metrics")
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def run_level(args, port: int, model: str, concurrency: int) -> tuple[dict, list[RequestResult]]:
+    """`concurrency` users, each sending requests back to back; returns the summary row and raw results."""
+
+    def user_session(user: int) -> list[RequestResult]:
+        results = []
+        for turn in range(args.requests_per_user):
+            index = (user * args.requests_per_user + turn) % len(PROMPTS)
+            results.append(stream_chat(port, model, PROMPTS[index], args.max_tokens, args.temperature, user, index))
+        return results
+
+    before = scrape(port)
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        sessions = list(pool.map(user_session, range(concurrency)))
+    wall = time.perf_counter() - started
+    after = scrape(port)
+    results = [r for session in sessions for r in session]
+    good = [r for r in results if r.error is None]
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+    steps = delta.get("specdec_step_batch_size_count", 0.0)
+    per_user = [r.tokens_per_s for r in good]
+    ttfts = [r.first_token_s - r.start_s for r in good if r.first_token_s is not None]
+    row = {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "errors": len(results) - len(good),
+        "completion_tokens": sum(r.completion_tokens for r in good),
+        "wall_s": wall,
+        "total_tokens_per_s": sum(r.completion_tokens for r in good) / wall if wall > 0 else 0.0,
+        "per_user_tokens_per_s_mean": statistics.fmean(per_user) if per_user else 0.0,
+        "per_user_tokens_per_s_median": statistics.median(per_user) if per_user else 0.0,
+        "ttft_s_mean": statistics.fmean(ttfts) if ttfts else None,
+        "drafted_tokens": delta.get("specdec_drafted_tokens_total", 0.0),
+        "accepted_tokens": delta.get("specdec_accepted_tokens_total", 0.0),
+        "verify_steps_batched": steps,
+        "mean_batch_size": delta.get("specdec_step_batch_size_sum", 0.0) / steps if steps else None,
+    }
+    return row, results
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6.5, 4.5))
+    for config in dict.fromkeys(row["config"] for row in rows):
+        points = sorted((r for r in rows if r["config"] == config), key=lambda r: r["concurrency"])
+        xs = [r["total_tokens_per_s"] for r in points]
+        ys = [r["per_user_tokens_per_s_mean"] for r in points]
+        axes.plot(xs, ys, marker="o", label=config)
+        for r, x, y in zip(points, xs, ys):
+            axes.annotate(f"c={r['concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    axes.set_xlabel("total throughput (tokens/s)")
+    axes.set_ylabel("per-user speed (tokens/s)")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--drafter", default="pld", help="drafter of the speculative configuration")
+    parser.add_argument("--drafter-arg", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--gamma", default="auto", help="'auto' (load-aware cost model) or a fixed int")
+    parser.add_argument("--configs", default="plain,speculative", help="comma list of: plain, speculative")
+    parser.add_argument("--concurrency", default="1,2,4,8", help="comma list of concurrent users")
+    parser.add_argument("--requests-per-user", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to load the model (and measure costs)")
+    parser.add_argument("--out", default="runs/load_bench", help="output directory")
+    args = parser.parse_args(argv)
+    try:
+        args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    except ValueError:
+        parser.error(f"--concurrency must be a comma list of integers, got {args.concurrency!r}")
+    if not args.concurrency or min(args.concurrency) < 1:
+        parser.error("--concurrency needs positive integers")
+    args.configs = [c for c in args.configs.split(",") if c]
+    unknown = set(args.configs) - {"plain", "speculative"}
+    if unknown or not args.configs:
+        parser.error(f"--configs takes plain and/or speculative, got {args.configs}")
+    if args.requests_per_user < 1 or args.max_tokens < 1:
+        parser.error("--requests-per-user and --max-tokens must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, raw = [], []
+    for config in args.configs:
+        port = free_port()
+        process = start_server(args, config, port, out / f"server_{config}.log")
+        try:
+            _, models = http_json(port, "GET", "/v1/models")
+            model = json.loads(models)["data"][0]["id"]
+            stream_chat(port, model, "Hello!", 8, 0.0, -1, -1)  # warm-up (first-call allocations)
+            for concurrency in args.concurrency:
+                row, results = run_level(args, port, model, concurrency)
+                row["config"] = config
+                rows.append(row)
+                raw += [{"config": config, "concurrency": concurrency, **asdict(r)} for r in results]
+                print(f"{config:12s} c={concurrency:<3d} per-user {row['per_user_tokens_per_s_mean']:7.2f} tok/s  "
+                      f"total {row['total_tokens_per_s']:7.2f} tok/s  ttft {row['ttft_s_mean'] or 0:.2f}s  "
+                      f"errors {row['errors']}", flush=True)
+        finally:
+            stop_server(process)
+    meta = {key: getattr(args, key) for key in ("model", "drafter", "drafter_arg", "gamma", "concurrency",
+                                                 "requests_per_user", "max_tokens", "temperature", "max_model_len")}
+    meta["cpu_count"] = os.cpu_count()
+    (out / "load_bench.json").write_text(json.dumps({"meta": meta, "results": rows, "requests": raw}, indent=2))
+    plot(rows, out / "load_bench.png", f"{args.model}: plain vs {args.drafter} (gamma {args.gamma})")
+    print(f"wrote {out / 'load_bench.json'} and {out / 'load_bench.png'}")
+    return 1 if any(row["errors"] for row in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

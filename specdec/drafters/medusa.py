@@ -1,0 +1,189 @@
+"""Medusa-1 drafting (`medusa`): K trained heads on the frozen target's last hidden state.
+
+Head k (k = 1..K) reads the hidden state of the newest cached token t (layer num_layers, after
+the final norm; the root t + 1 is committed but not cached yet) and predicts token t + k + 1,
+i.e. draft depth k (specdec.train.heads, LABEL_CONVENTION). One proposal = one pass of the K
+small heads + the frozen LM head, no extra target forward.
+
+The proposal is a STATIC tree from a Medusa-style choice list: a node at depth d with rank r takes
+head d's r-th best candidate (whatever its parent is, as in Medusa-1). Every node is a
+deterministic proposal (draft_probs=None), so the core's verification is lossless at every
+temperature. Typical acceptance (Medusa's lossy option) is not implemented.
+
+The default tree is built from the checkpoint's held-out rank hit rates (how often head d's rank-r
+candidate was the target's token): nodes are added best-first by the product of the hit rates
+along their path, Medusa's own construction. Give `choices` to use a hand-made tree instead
+(JSON like "[[0], [1], [0, 0], [0, 1], [0, 0, 0]]"); a step's node budget keeps the first nodes
+of the list (in the given order, skipping any whose parent is not kept).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from collections.abc import Sequence
+
+import torch
+
+from ..draft import Draft, TreeTemplate, tree_template_from_choices
+from ..train.heads import FrozenTargetParts, MedusaHeads, load_checkpoint
+from .base import DraftContext, Drafter, register_drafter
+
+DEFAULT_TREE_NODES = 16
+MAX_TREE_NODES = 256
+
+
+def prior_rank_acc(num_positions: int, num_ranks: int = 10) -> list[list[float]]:
+    """A rough prior when a checkpoint carries no evaluation: hit rates fall with depth and rank."""
+    return [[0.6 * 0.7**depth * 0.5**rank for rank in range(num_ranks)] for depth in range(num_positions)]
+
+
+def best_first_choices(rank_acc: Sequence[Sequence[float]], num_nodes: int) -> list[tuple[int, ...]]:
+    """Tree paths in best-first order of the estimated path probability prod_d rank_acc[d][path[d]].
+
+    Frontier search: a taken path offers its next sibling (rank + 1) and its first child (rank 0),
+    so every prefix of the returned list is a tree (parents come before children).
+    """
+    depth_limit, rank_limit = len(rank_acc), len(rank_acc[0]) if rank_acc else 0
+    if depth_limit == 0 or rank_limit == 0:
+        return []
+    score = lambda path: float(torch.tensor([rank_acc[d][r] for d, r in enumerate(path)]).prod())  # noqa: E731
+    frontier = [(-score((0,)), (0,))]
+    chosen: list[tuple[int, ...]] = []
+    while frontier and len(chosen) < num_nodes:
+        _, path = heapq.heappop(frontier)
+        chosen.append(path)
+        if path[-1] + 1 < rank_limit:
+            sibling = path[:-1] + (path[-1] + 1,)
+            heapq.heappush(frontier, (-score(sibling), sibling))
+        if len(path) < depth_limit:
+            child = path + (0,)
+            heapq.heappush(frontier, (-score(child), child))
+    return chosen
+
+
+def parse_choices(choices) -> list[tuple[int, ...]]:
+    """A JSON string or a sequence of paths -> list of tuples (validated by tree_template_from_choices)."""
+    if isinstance(choices, str):
+        try:
+            choices = json.loads(choices)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"choices must be JSON like [[0], [1], [0, 0]], got {choices!r}: {error}") from None
+    if not isinstance(choices, (list, tuple)) or not choices:
+        raise ValueError(f"choices must be a non-empty list of paths like [[0], [1], [0, 0]], got {choices!r}")
+    paths = [tuple(path) if isinstance(path, (list, tuple)) else (path,) for path in choices]
+    tree_template_from_choices(paths)  # raises a clear error for malformed lists
+    return paths
+
+
+class ChoiceTree:
+    """An ordered choice list and its per-budget templates (the first `budget` prefix-closed nodes)."""
+
+    def __init__(self, ordered_choices: list[tuple[int, ...]], num_positions: int):
+        too_deep = [path for path in ordered_choices if len(path) > num_positions]
+        if too_deep:
+            raise ValueError(f"tree choices {too_deep[:3]} are deeper than the {num_positions} trained head positions")
+        self.choices = list(ordered_choices)
+        self._templates: dict[int, TreeTemplate] = {}
+
+    def __len__(self) -> int:
+        return len(self.choices)
+
+    def for_budget(self, budget: int) -> TreeTemplate:
+        budget = min(budget, len(self.choices))
+        if budget not in self._templates:
+            kept: list[tuple[int, ...]] = []
+            kept_set: set[tuple[int, ...]] = set()
+            for path in self.choices:
+                if len(kept) == budget:
+                    break
+                if len(path) == 1 or path[:-1] in kept_set:
+                    kept.append(path)
+                    kept_set.add(path)
+            self._templates[budget] = tree_template_from_choices(kept)
+        return self._templates[budget]
+
+
+def draft_from_candidates(template: TreeTemplate, candidates: list[list[int]]) -> Draft:
+    """Node i takes candidates[depth_i - 1][rank_i]; a deterministic proposal (draft_probs None)."""
+    tokens = [candidates[depth - 1][rank] for depth, rank in zip(template.depths, template.ranks)]
+    return Draft(torch.tensor(tokens, dtype=torch.long), template.parents_tensor(), None)
+
+
+def build_choice_tree(num_positions: int, rank_acc, choices, tree_nodes: int) -> ChoiceTree:
+    if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or not 1 <= tree_nodes <= MAX_TREE_NODES:
+        raise ValueError(f"tree_nodes must be an integer in [1, {MAX_TREE_NODES}], got {tree_nodes!r}")
+    if choices is not None:
+        return ChoiceTree(parse_choices(choices), num_positions)
+    rank_acc = rank_acc or prior_rank_acc(num_positions)
+    return ChoiceTree(best_first_choices(rank_acc[:num_positions], tree_nodes), num_positions)
+
+
+def heads_cost_tokens(heads, target, weights_shared_by_depths: bool = False) -> float:
+    """Draft cost per proposed token in target-decode units (weights read / target weights).
+
+    One depth reads its head's weights (all of them when one module serves every depth) and the LM head."""
+    target_params = sum(p.numel() for p in target.model.parameters())
+    head_params = sum(p.numel() for p in heads.parameters())
+    per_depth = head_params if weights_shared_by_depths else head_params / heads.num_positions
+    return (per_depth + target.vocab_size * target.hidden_size) / max(1, target_params)
+
+
+@register_drafter
+class MedusaDrafter(Drafter):
+    """Trained Medusa heads proposing a static top-k tree (lossless: deterministic proposals).
+
+    checkpoint: directory written by `specdec train medusa` (for this very target).
+    choices: optional Medusa choice list (JSON); default: best-first from the checkpoint's hit rates.
+    tree_nodes: size of the default tree (the node budget per step unless the loop gives another).
+    """
+
+    name = "medusa"
+    makes_trees = True
+
+    def __init__(self, target=None, checkpoint: str | None = None, choices: str | None = None, tree_nodes: int = DEFAULT_TREE_NODES):
+        if target is None:
+            raise ValueError("the medusa drafter needs the target (its LM head and hidden states)")
+        if not checkpoint:
+            raise ValueError("the medusa drafter needs checkpoint=DIR: train heads with `specdec train medusa`")
+        heads, config = load_checkpoint(checkpoint, target, drafter=self.name)
+        self._setup(target, heads, config.get("eval", {}).get("rank_acc"), choices, tree_nodes)
+
+    @classmethod
+    def from_heads(cls, target, heads: MedusaHeads, rank_acc=None, choices=None, tree_nodes: int = DEFAULT_TREE_NODES) -> MedusaDrafter:
+        """A drafter around in-memory heads (e.g. right after training), without a checkpoint."""
+        drafter = cls.__new__(cls)
+        drafter._setup(target, heads.to(device=target.device, dtype=target.dtype).eval(), rank_acc, choices, tree_nodes)
+        return drafter
+
+    def _setup(self, target, heads: MedusaHeads, rank_acc, choices, tree_nodes: int) -> None:
+        if not isinstance(heads, MedusaHeads):
+            raise ValueError(f"the medusa drafter runs Medusa heads, got {type(heads).__name__}")
+        self.target, self.heads = target, heads
+        self.parts = FrozenTargetParts.from_target(target)
+        self.hidden_layers = (heads.input_layer,)
+        self.tree = build_choice_tree(heads.num_positions, rank_acc, choices, tree_nodes)
+        self.default_budget = len(self.tree)
+        self._cost_tokens = heads_cost_tokens(heads, target)
+        self.last_hidden: torch.Tensor | None = None
+
+    def draft_cost_tokens(self) -> float:
+        return self._cost_tokens
+
+    def begin(self, prompt_ids, target) -> None:
+        self.last_hidden = None
+
+    def on_verified(self, result, ctx: DraftContext) -> None:
+        rows = ctx.new_hidden.get(self.heads.input_layer)
+        if rows is not None and rows.shape[0]:
+            self.last_hidden = rows[-1]  # [H]: the newest cached token (the one before the root)
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, budget: int) -> Draft:
+        if self.last_hidden is None or budget <= 0:
+            return Draft.empty()
+        template = self.tree.for_budget(budget)
+        features = self.heads(self.last_hidden[None])[: template.max_depth, 0]  # [D, H]
+        logits = self.heads.project(features, self.parts)  # [D, V]
+        candidates = [logits[depth].topk(k).indices.tolist() for depth, k in enumerate(template.topk_per_depth)]
+        return draft_from_candidates(template, candidates)

@@ -1,0 +1,205 @@
+"""Multi-token-prediction drafting (`mtp`) with trained heads on the frozen target.
+
+The checkpoint decides the flavour (specdec.train.heads):
+
+* `mtp-parallel` (Gloeckle et al.): K transformer-block heads on one shared trunk state (the input
+  of the target's last block). Each head keeps a small KV cache over the committed positions, fed
+  with the trunk rows the verify forward returns; head k's next-token distribution is draft depth k.
+  Proposal: a chain of the K heads' tokens, or with `tree=true` a Medusa-style static top-k tree.
+* `mtp-sequential` (DeepSeek-V3 style): one module [RMSNorm(hidden); RMSNorm(embed(next token))] ->
+  linear -> transformer block -> target's final norm + LM head, chained: depth 1 reads the target's
+  last hidden state and the root, depth d reads depth d - 1's output and draft token d - 1. Its KV
+  cache holds depth-1 keys of the committed positions (computed once, when they are verified) and,
+  while drafting, the chain's own keys (dropped after the proposal) — exactly as it was trained.
+
+Lossless either way:
+  * temperature 0, or `sample=false`: each draft token is the argmax of its head, a deterministic
+    proposal (draft_probs=None; the core accepts x with probability p(x)).
+  * temperature > 0 with `sample=true` (default): each token is SAMPLED from q = the head's
+    distribution warped with the request's temperature / top-k / top-p, using the sequence's
+    generator, and q is passed as draft_probs (rejection sampling min(1, p/q)). The chain length is
+    the step's budget, fixed before drafting (non-anticipating). Parallel heads sample each depth
+    independently, so q_k is exactly the conditional distribution of token k.
+  Trees (parallel flavour only) are deterministic top-k proposals at every temperature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..draft import Draft
+from ..sampling import sample_from_probs, warp_logits_to_probs
+from ..train.heads import FrozenTargetParts, MTPParallelHeads, MTPSequentialModule, grow_cache, load_checkpoint
+from .base import DraftContext, Drafter, register_drafter
+from .medusa import DEFAULT_TREE_NODES, build_choice_tree, draft_from_candidates, heads_cost_tokens
+
+_CACHE_HEADROOM = 64
+Choose = Callable[[torch.Tensor], tuple[int, torch.Tensor | None]]  # logits [V] -> (token, q row or None)
+
+
+def _new_rows(ctx: DraftContext, layer: int, cached: int) -> tuple[torch.Tensor | None, int]:
+    """(rows [n, H] just cached by the target, their first position), checked against our cache."""
+    rows = ctx.new_hidden.get(layer)
+    if rows is None or rows.shape[0] == 0:
+        return None, cached
+    start = len(ctx.tokens) - 1 - rows.shape[0]  # the root (last token) is not cached yet
+    if start != cached:
+        raise RuntimeError(f"mtp drafter out of sync: {cached} positions cached, new target rows start at {start}")
+    return rows, start
+
+
+class _ParallelRunner:
+    """Per-sequence state of MTP parallel heads: their KV cache and the newest row's features."""
+
+    def __init__(self, heads: MTPParallelHeads, parts: FrozenTargetParts, target, prompt_len: int):
+        self.heads, self.parts = heads, parts
+        self.cache = heads.new_cache(prompt_len + _CACHE_HEADROOM, target.dtype, target.device)
+        self.features: torch.Tensor | None = None  # [K, H] head outputs at the newest cached position
+
+    def absorb(self, ctx: DraftContext) -> None:
+        cached = int(self.cache.lengths[0])
+        rows, start = _new_rows(ctx, self.heads.input_layer, cached)
+        if rows is None:
+            return
+        self.cache = grow_cache(self.cache, start + rows.shape[0] + _CACHE_HEADROOM)
+        positions = torch.arange(start, start + rows.shape[0])[None]  # [1, n]
+        self.features = self.heads.absorb(rows[None], positions, self.cache)
+
+    def ready(self) -> bool:
+        return self.features is not None
+
+    def logits(self, depth: int) -> torch.Tensor:
+        return self.heads.project(self.features[:depth], self.parts).float()  # [depth, V]
+
+    def chain(self, ctx: DraftContext, length: int, choose: Choose):
+        logits = self.logits(min(length, self.heads.num_positions))
+        return [choose(row) for row in logits]
+
+
+class _SequentialRunner:
+    """Per-sequence state of the chained MTP module: its KV cache and the newest depth-1 output."""
+
+    def __init__(self, heads: MTPSequentialModule, parts: FrozenTargetParts, target, prompt_len: int):
+        self.heads, self.parts = heads, parts
+        self.cache = heads.new_cache(prompt_len + _CACHE_HEADROOM, target.dtype, target.device)
+        self.last_output: torch.Tensor | None = None  # [1, 1, H] depth-1 output at the newest cached position
+
+    def absorb(self, ctx: DraftContext) -> None:
+        cached = int(self.cache.lengths[0])
+        rows, start = _new_rows(ctx, self.heads.input_layer, cached)
+        if rows is None:
+            return
+        num_new = rows.shape[0]
+        self.cache = grow_cache(self.cache, start + num_new + _CACHE_HEADROOM)
+        next_tokens = torch.tensor([ctx.tokens[start + 1 : start + 1 + num_new]])  # [1, n]: all committed
+        positions = torch.arange(start, start + num_new)[None]
+        self.last_output = self.heads.step(rows[None], next_tokens, positions, self.cache, self.parts)[:, -1:]
+
+    def ready(self) -> bool:
+        return self.last_output is not None
+
+    def chain(self, ctx: DraftContext, length: int, choose: Choose):
+        committed = int(self.cache.lengths[0])
+        self.cache = grow_cache(self.cache, committed + length + _CACHE_HEADROOM)
+        previous, picks = self.last_output, []
+        for depth in range(1, length + 1):
+            if depth > 1:  # depth d sits at position (newest cached) + d - 1 and reads draft token d - 1
+                token = torch.tensor([[picks[-1][0]]])
+                position = torch.tensor([[committed + depth - 2]])
+                previous = self.heads.step(previous, token, position, self.cache, self.parts)
+            picks.append(choose(self.heads.project(previous[0, 0], self.parts).float()))
+        self.cache.truncate(committed)  # forget the chain's keys: only verified positions stay
+        return picks
+
+
+_RUNNERS = {MTPParallelHeads: _ParallelRunner, MTPSequentialModule: _SequentialRunner}
+
+
+@register_drafter
+class MTPDrafter(Drafter):
+    """Trained multi-token-prediction heads (parallel or sequential, chosen by the checkpoint).
+
+    checkpoint: directory written by `specdec train mtp` (for this very target).
+    gamma: chain length (default: the trained head positions / depth; parallel heads cap it at K).
+    sample: at temperature > 0, sample drafts from the heads (with draft_probs) instead of argmax.
+    tree / choices / tree_nodes: parallel heads only — a Medusa-style static top-k tree.
+    """
+
+    name = "mtp"
+
+    def __init__(self, target=None, checkpoint: str | None = None, gamma: int | None = None, sample: bool = True,
+                 tree: bool = False, choices: str | None = None, tree_nodes: int = DEFAULT_TREE_NODES):
+        if target is None:
+            raise ValueError("the mtp drafter needs the target (its LM head and hidden states)")
+        if not checkpoint:
+            raise ValueError("the mtp drafter needs checkpoint=DIR: train heads with `specdec train mtp`")
+        heads, config = load_checkpoint(checkpoint, target, drafter=self.name)
+        self._setup(target, heads, config.get("eval", {}).get("rank_acc"), gamma, sample, tree, choices, tree_nodes)
+
+    @classmethod
+    def from_heads(cls, target, heads, rank_acc=None, gamma: int | None = None, sample: bool = True, tree: bool = False,
+                   choices=None, tree_nodes: int = DEFAULT_TREE_NODES) -> MTPDrafter:
+        """A drafter around in-memory heads (e.g. right after training), without a checkpoint."""
+        drafter = cls.__new__(cls)
+        heads = heads.to(device=target.device, dtype=target.dtype).eval()
+        drafter._setup(target, heads, rank_acc, gamma, sample, tree, choices, tree_nodes)
+        return drafter
+
+    def _setup(self, target, heads, rank_acc, gamma, sample, tree, choices, tree_nodes) -> None:
+        if type(heads) not in _RUNNERS:
+            raise ValueError(f"the mtp drafter runs {[c.kind for c in _RUNNERS]} heads, got {type(heads).__name__}")
+        for name, flag in (("sample", sample), ("tree", tree)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be true or false, got {flag!r}")
+        if tree and not isinstance(heads, MTPParallelHeads):
+            raise ValueError(f"tree=true needs parallel MTP heads; this checkpoint holds {heads.kind!r} (a chain drafter)")
+        limit = heads.num_positions if isinstance(heads, MTPParallelHeads) else 64
+        gamma = heads.num_positions if gamma is None else gamma
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= limit:
+            raise ValueError(f"gamma must be an integer in [1, {limit}] for {heads.kind} heads, got {gamma!r}")
+        self.target, self.heads, self.sample = target, heads, sample
+        self.parts = FrozenTargetParts.from_target(target)
+        self.hidden_layers = (heads.input_layer,)
+        self.tree = build_choice_tree(heads.num_positions, rank_acc, choices, tree_nodes) if tree else None
+        self.makes_trees = tree
+        self.default_budget = len(self.tree) if tree else gamma
+        self._max_chain = limit
+        self._cost_tokens = heads_cost_tokens(heads, target, weights_shared_by_depths=isinstance(heads, MTPSequentialModule))
+        self.runner = None
+
+    def draft_cost_tokens(self) -> float:
+        return self._cost_tokens
+
+    def begin(self, prompt_ids, target) -> None:
+        self.runner = _RUNNERS[type(self.heads)](self.heads, self.parts, self.target, len(prompt_ids))
+
+    @torch.inference_mode()
+    def on_verified(self, result, ctx: DraftContext) -> None:
+        self.runner.absorb(ctx)
+
+    def _chooser(self, ctx: DraftContext) -> Choose:
+        if ctx.sampling.greedy or not self.sample:
+            return lambda logits: (int(logits.argmax()), None)
+
+        def sample(logits: torch.Tensor):
+            draft_probs = warp_logits_to_probs(logits, ctx.sampling)  # [V]: q, the same warp as the target
+            return int(sample_from_probs(draft_probs, ctx.generator)), draft_probs
+
+        return sample
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, budget: int) -> Draft:
+        if self.runner is None or not self.runner.ready() or budget <= 0:
+            return Draft.empty()
+        if self.tree is not None:
+            template = self.tree.for_budget(budget)
+            logits = self.runner.logits(template.max_depth)  # [D, V]
+            candidates = [logits[depth].topk(k).indices.tolist() for depth, k in enumerate(template.topk_per_depth)]
+            return draft_from_candidates(template, candidates)
+        picks = self.runner.chain(ctx, min(budget, self._max_chain), self._chooser(ctx))
+        tokens = torch.tensor([token for token, _ in picks], dtype=torch.long)
+        if picks[0][1] is None:
+            return Draft.chain(tokens)
+        return Draft.chain(tokens, torch.stack([q for _, q in picks]))

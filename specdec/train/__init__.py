@@ -1,0 +1,18 @@
+"""Trained drafters: self-distillation data, the head modules and one shared training loop.
+
+    specdec train data   --model NAME --out DIR      # the target answers offline prompts
+    specdec train medusa --model NAME --data DIR --out CKPT
+    specdec train mtp    --model NAME --data DIR --out CKPT --flavour parallel|sequential
+
+Modules: prompts (offline prompt sources), data (generation + reading), heads (the trainable
+modules, shared with the `medusa` / `mtp` drafters, and checkpoints), trainer (the loop), cli.
+"""
+
+from .data import DataSettings, build_dataset, load_samples
+from .heads import HEAD_TYPES, FrozenTargetParts, build_heads, load_checkpoint, save_checkpoint, target_fingerprint
+from .trainer import TrainSettings, train
+
+__all__ = [
+    "HEAD_TYPES", "DataSettings", "FrozenTargetParts", "TrainSettings", "build_dataset", "build_heads",
+    "load_checkpoint", "load_samples", "save_checkpoint", "target_fingerprint", "train",
+]

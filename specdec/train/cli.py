@@ -1,0 +1,155 @@
+"""`specdec train data | medusa | mtp` (routed here by specdec.cli).
+
+    specdec train data   --model smollm2-135m --out data/smollm2 --num-prompts 32 --max-new-tokens 128
+    specdec train medusa --model smollm2-135m --data data/smollm2 --out ckpt/medusa --minutes 2
+    specdec train mtp    --model smollm2-135m --data data/smollm2 --out ckpt/mtp --flavour sequential --minutes 2
+
+Then: `specdec generate "..." --drafter medusa --drafter-arg checkpoint=ckpt/medusa`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MINUTES = 10.0  # when neither --steps nor --minutes is given
+DEFAULT_LR = {"medusa": 1e-3, "mtp-parallel": 3e-4, "mtp-sequential": 5e-4}
+# --flavour -> (head kind, the option holding its number of head positions)
+MTP_FLAVOURS = {"parallel": ("mtp-parallel", "num_heads"), "sequential": ("mtp-sequential", "depth")}
+
+
+def _layer_list(raw: str) -> list[int]:
+    try:
+        return [int(part) for part in raw.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layers takes comma-separated integers like 29,30, got {raw!r}") from None
+
+
+def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, HF model directory, or .gguf file")
+    parser.add_argument("--out", required=True, help="data directory (rerun with the same settings to resume)")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="answer length limit per prompt")
+    parser.add_argument("--layers", type=_layer_list, default=None,
+                        help="hidden layers to store, e.g. 29,30 (default: num_layers - 1 and num_layers)")
+    parser.add_argument("--sampled-fraction", type=float, default=0.3, help="share of answers sampled instead of greedy")
+    parser.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled answers")
+    parser.add_argument("--top-p", type=float, default=0.95, help="top-p of the sampled answers")
+    parser.add_argument("--shard-size", type=int, default=16, help="prompts per shard")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(train_func=run_data)
+
+
+def _add_common_training_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the target the heads are for (must match the data)")
+    parser.add_argument("--data", required=True, help="directory written by `specdec train data`")
+    parser.add_argument("--out", required=True, help="checkpoint directory")
+    parser.add_argument("--minutes", type=float, default=None, help=f"time budget of this run (default {DEFAULT_MINUTES} without --steps)")
+    parser.add_argument("--steps", type=int, default=None, help="total optimizer steps")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default depends on the head type)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    parser.add_argument("--loss-rows", type=int, default=1024, help="(head, token) rows through the LM head per step")
+    parser.add_argument("--max-seq-len", type=int, default=512, help="longer samples are cropped to a random window")
+    parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--head-decay", type=float, default=0.8, help="loss weight of head k is decay^(k-1)")
+    parser.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--save-every", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    parser.add_argument("--overwrite", action="store_true", help="start over even if --out holds a checkpoint")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="train_command", required=True)
+    _add_data_arguments(sub.add_parser("data", help="self-distillation data: the target answers offline prompts"))
+
+    medusa = sub.add_parser("medusa", help="train Medusa-1 heads (drafter `medusa`)")
+    _add_common_training_arguments(medusa)
+    medusa.add_argument("--num-heads", type=int, default=4, help="heads K: head k predicts token t + k + 1")
+    medusa.add_argument("--num-blocks", type=int, default=1, help="residual blocks per head")
+    medusa.set_defaults(train_func=run_heads_training, head_kind=lambda args: ("medusa", {
+        "num_positions": args.num_heads, "num_blocks": args.num_blocks}))
+
+    mtp = sub.add_parser("mtp", help="train MTP heads (drafter `mtp`): parallel or sequential")
+    _add_common_training_arguments(mtp)
+    mtp.add_argument("--flavour", choices=sorted(MTP_FLAVOURS), default="sequential",
+                     help="parallel: K blocks on one trunk state; sequential: one DeepSeek-V3-style module chained")
+    mtp.add_argument("--num-heads", type=int, default=4, help="parallel: number of heads K")
+    mtp.add_argument("--depth", type=int, default=3, help="sequential: training depth D (unrolled chain length)")
+    mtp.set_defaults(train_func=run_heads_training, head_kind=lambda args: (MTP_FLAVOURS[args.flavour][0], {
+        "num_positions": getattr(args, MTP_FLAVOURS[args.flavour][1])}))
+
+
+def run_train(args) -> int:
+    return int(args.train_func(args) or 0)
+
+
+def _load_target(name: str):
+    from ..api import load_target
+
+    print(f"loading {name} ...", file=sys.stderr)
+    return load_target(name, dtype="float32")
+
+
+def run_data(args) -> int:
+    from .data import DataSettings, build_dataset
+
+    target = _load_target(args.model)
+    settings = DataSettings(
+        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, layers=args.layers,
+        sampled_fraction=args.sampled_fraction, temperature=args.temperature, top_p=args.top_p,
+        shard_size=args.shard_size, seed=args.seed,
+    )
+    log = lambda message: print(message, file=sys.stderr)  # noqa: E731
+    manifest = build_dataset(target, args.out, settings, progress=not args.no_progress, log=log)
+    shards = manifest["shards"].values()
+    print(f"{sum(s['samples'] for s in shards)} samples, {sum(s['answer_tokens'] for s in shards)} answer tokens, "
+          f"{sum(s['bytes'] for s in shards) / 2**20:.1f} MiB in {args.out} (complete: {manifest['complete']})")
+    return 0
+
+
+def _resolve_device_and_dtype(args) -> tuple[str, str]:
+    import torch
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    dtype = ("bf16" if device.startswith("cuda") else "fp32") if args.dtype == "auto" else args.dtype
+    return device, dtype
+
+
+def run_heads_training(args) -> int:
+    from .data import load_samples
+    from .heads import CONFIG_FILE, build_heads, target_description
+    from .trainer import STATE_FILE, TrainSettings, train
+
+    out = Path(args.out)
+    if not args.resume and not args.overwrite and ((out / CONFIG_FILE).exists() or (out / STATE_FILE).exists()):
+        raise ValueError(f"{out} already holds a checkpoint: pass --resume to continue it or --overwrite to start over")
+    kind, options = args.head_kind(args)
+    device, dtype = _resolve_device_and_dtype(args)
+    target = _load_target(args.model)
+    heads = build_heads(kind, target, **options)
+    manifest, samples = load_samples(args.data, [heads.input_layer], target)
+    if not manifest.get("complete"):
+        print(f"note: {args.data} is incomplete ({len(manifest['shards'])}/{manifest['num_shards']} shards); "
+              "training on the finished shards", file=sys.stderr)
+    minutes = args.minutes if (args.minutes is not None or args.steps is not None) else DEFAULT_MINUTES
+    settings = TrainSettings(
+        steps=args.steps, minutes=minutes, lr=args.lr or DEFAULT_LR[kind], batch_size=args.batch_size,
+        warmup_steps=args.warmup_steps, dtype=dtype, max_seq_len=args.max_seq_len, loss_rows=args.loss_rows,
+        head_decay=args.head_decay, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed, device=device,
+    )
+    data_info = {"dir": str(Path(args.data).resolve()), "samples": len(samples), "sources": manifest["sources"],
+                 "generated_text_licence": manifest["generated_text_licence"]}
+    log = lambda message: print(message, file=sys.stderr)  # noqa: E731
+    result = train(heads, target, samples, out, settings, target_description(target), {"data": data_info},
+                   resume=args.resume, progress=not args.no_progress, log=log)
+    top1 = ", ".join(f"head {k + 1}: {acc:.3f}" for k, acc in enumerate(result.eval["top1"]))
+    print(f"{kind}: {result.steps} steps in {result.elapsed_s / 60:.1f} min; held-out top-1 agreement {top1}; "
+          f"checkpoint {out} (plot {out / 'training.png'})")
+    return 0

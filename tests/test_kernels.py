@@ -1,0 +1,208 @@
+"""Batch-invariant skinny GEMM (specdec.kernels): bitwise row invariance, agreement with F.linear,
+fallbacks without a compiler, and a tiny native model after fast_linear_modules."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.kernels import (
+    CppSkinnyLinear,
+    FastLinear,
+    KernelUnavailable,
+    RowwiseTorchLinear,
+    TorchLinear,
+    fast_linear_modules,
+    make_backend,
+)
+from specdec.models.llama import load_native
+
+# (out, in): vector-width multiples, odd tails in K and in N, a K smaller than one vector
+SHAPES = [(64, 128), (29, 37), (131, 1000), (5, 3), (300, 1536)]
+
+
+@pytest.fixture(scope="module")
+def cpp_backend():
+    try:
+        return CppSkinnyLinear()
+    except KernelUnavailable as exc:
+        pytest.skip(f"compiled skinny GEMM unavailable here: {exc}")
+
+
+def _weights(out_features, in_features, seed, bias=True):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=gen) * in_features**-0.5  # [N, K]
+    return weight, (torch.randn(out_features, generator=gen) if bias else None)
+
+
+def _assert_rows_batch_invariant(backend, weight, bias, x):
+    """Row i of every k-row call (k = 1..len(x)) is bitwise the row run alone."""
+    alone = [backend.linear(x[i : i + 1], weight, bias)[0] for i in range(len(x))]  # M x [N]
+    for num_rows in range(1, len(x) + 1):
+        out = backend.linear(x[:num_rows], weight, bias)  # [k, N]
+        for i in range(num_rows):
+            assert torch.equal(out[i], alone[i]), f"row {i} of a {num_rows}-row call differs from the row alone"
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_cpp_rows_are_bitwise_batch_invariant(cpp_backend, shape, with_bias):
+    weight, bias = _weights(*shape, seed=shape[0], bias=with_bias)
+    x = torch.randn(16, shape[1], generator=torch.Generator().manual_seed(7))  # [16, K]
+    _assert_rows_batch_invariant(cpp_backend, weight, bias, x)
+
+
+def test_cpp_rows_do_not_depend_on_thread_count(cpp_backend):
+    weight, bias = _weights(1029, 300, seed=3)  # enough work to be split across threads
+    x = torch.randn(9, 300)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = cpp_backend.linear(x, weight, bias)
+        torch.set_num_threads(max(2, threads))
+        multi = cpp_backend.linear(x, weight, bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, multi)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_cpp_matches_f_linear(cpp_backend, shape, with_bias):
+    weight, bias = _weights(*shape, seed=11, bias=with_bias)
+    for num_rows in (1, 3, 8, 17, 40):  # 40 rows spans several row panels for small K
+        x = torch.randn(num_rows, shape[1])
+        ref = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+        out = cpp_backend.linear(x, weight, bias)
+        assert out.dtype == torch.float32 and out.shape == (num_rows, shape[0])
+        # fp32 dot products of length K: error grows ~ sqrt(K) * eps * |terms|
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * shape[1] ** 0.5)
+
+
+def test_cpp_handles_leading_dims_and_noncontiguous_input(cpp_backend):
+    weight, bias = _weights(48, 40, seed=5)
+    x = torch.randn(2, 40, 7).transpose(1, 2)  # [2, 7, 40], not contiguous
+    out = cpp_backend.linear(x, weight, bias)  # [2, 7, 48]
+    assert out.shape == (2, 7, 48)
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[1, 3], cpp_backend.linear(x[1, 3:4].contiguous(), weight, bias)[0])
+
+
+def test_cpp_falls_back_to_f_linear_where_the_kernel_does_not_apply(cpp_backend):
+    weight, bias = _weights(33, 20, seed=2)
+    x = torch.randn(4, 20)
+    # bf16: F.linear itself (correct, not promised batch invariant)
+    out_bf16 = cpp_backend.linear(x.bfloat16(), weight.bfloat16(), bias.bfloat16())
+    assert out_bf16.dtype == torch.bfloat16
+    assert torch.equal(out_bf16, F.linear(x.bfloat16(), weight.bfloat16(), bias.bfloat16()))
+    assert not cpp_backend.batch_invariant(torch.bfloat16) and cpp_backend.batch_invariant(torch.float32)
+    # autograd: the kernel has no backward, so grad-requiring calls go through F.linear
+    w_grad = weight.clone().requires_grad_(True)
+    cpp_backend.linear(x, w_grad, bias).sum().backward()
+    torch.testing.assert_close(w_grad.grad, x.sum(0).expand(33, -1))
+    # empty input
+    assert cpp_backend.linear(torch.randn(0, 20), weight, bias).shape == (0, 33)
+
+
+def test_rowwise_fallback_is_batch_invariant_and_correct():
+    weight, bias = _weights(131, 1000, seed=4)
+    x = torch.randn(8, 1000)
+    backend = RowwiseTorchLinear()
+    _assert_rows_batch_invariant(backend, weight, bias, x)
+    torch.testing.assert_close(backend.linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert backend.linear(x.view(2, 4, 1000), weight, bias).shape == (2, 4, 131)
+
+
+def test_without_a_compiler_auto_falls_back_to_torch(monkeypatch):
+    monkeypatch.delenv("SPECDEC_LINEAR", raising=False)
+    choice = make_backend("auto", compiler="none")
+    assert isinstance(choice.backend, TorchLinear)
+    assert "compiler" in choice.reason
+    with pytest.raises(KernelUnavailable, match="compiler"):
+        make_backend("cpp", compiler="none")
+    monkeypatch.setenv("SPECDEC_CXX", "none")  # the same through the environment
+    assert isinstance(make_backend("auto").backend, TorchLinear)
+    with pytest.raises(KernelUnavailable):
+        CppSkinnyLinear()
+
+
+def test_backend_names_and_env_override(monkeypatch):
+    monkeypatch.setenv("SPECDEC_LINEAR", "torch")
+    assert make_backend("auto").backend.name == "torch"
+    assert make_backend("rowwise").backend.name == "rowwise"  # explicit names win over the env
+    monkeypatch.setenv("SPECDEC_LINEAR", "fastest")
+    with pytest.raises(ValueError, match="SPECDEC_LINEAR"):
+        make_backend("auto")
+    with pytest.raises(ValueError, match="choose from"):
+        make_backend("cuda")
+
+
+# ---------------------------------------------------------------- tiny native model
+
+
+def _forward_rows(target, ids, start, num_new, cache):
+    tokens = torch.tensor([ids[start : start + num_new]])
+    positions = torch.arange(start, start + num_new)[None]
+    logits, hiddens = target.forward(tokens, positions, cache, hidden_layers=(target.num_layers,))
+    return logits[0], hiddens[target.num_layers][0]  # [T, V], [T, H]
+
+
+@pytest.mark.parametrize("model_type, tie", [("llama", False), ("qwen2", True)])
+def test_fast_linear_model_matches_plain_model(tmp_path, model_type, tie):
+    from conftest import make_tiny_hf_dir
+
+    hf_dir, _ = make_tiny_hf_dir(tmp_path / model_type, model_type, seed=3, tie_word_embeddings=tie)
+    plain, fast = load_native(hf_dir), load_native(hf_dir)
+    info = fast_linear_modules(fast.model, backend="auto")
+    layers = fast.model.config.num_hidden_layers
+    assert info["count"] == 7 * layers + 1  # q k v o gate up down per block + lm_head
+    assert all(isinstance(m, FastLinear) for m in fast.model.modules() if isinstance(m, torch.nn.Linear))
+    if tie:  # the tie survives: lm_head still reads the embedding matrix itself
+        assert fast.model.lm_head.weight is fast.model.model.embed_tokens.weight
+    ids = list(range(5, 31))
+    plain_logits, _ = _forward_rows(plain, ids, 0, len(ids), plain.new_cache(1, 64))  # [T, V]
+    fast_logits, _ = _forward_rows(fast, ids, 0, len(ids), fast.new_cache(1, 64))
+    exact = load_native(hf_dir, dtype="float64")
+    exact_logits, _ = _forward_rows(exact, ids, 0, len(ids), exact.new_cache(1, 64))
+    scale = float(exact_logits.abs().max())  # logits here are O(5): compare at 1e-5 of that scale
+    torch.testing.assert_close(fast_logits, plain_logits, rtol=1e-5, atol=1e-5 * scale)
+    # and the kernel is no less accurate than MKL against a float64 forward
+    fast_error = float((fast_logits.double() - exact_logits).abs().max())
+    plain_error = float((plain_logits.double() - exact_logits).abs().max())
+    assert fast_error <= 2 * plain_error + 1e-6 * scale
+
+
+def test_fast_linear_model_k_row_verify_equals_one_row_steps(tmp_path, cpp_backend):
+    """A k-token verification forward vs k one-token decode steps on a tiny model: every
+    linear layer's output rows in the k-row forward are bitwise what that layer gives for each
+    row alone, and the logits agree to fp32 accuracy. (Whole-forward bitwise equality is not
+    promised: attention (SDPA) sums differently for T = 1 and T = k.)"""
+    from conftest import make_tiny_hf_dir
+
+    hf_dir, _ = make_tiny_hf_dir(tmp_path / "m", "qwen2", seed=4)
+    target = load_native(hf_dir)
+    info = fast_linear_modules(target.model, backend="cpp")
+    assert info["backend"] == "cpp" and info["batch_invariant"]
+    ids, prefix, k = list(range(3, 23)), 10, 8
+    cache = target.new_cache(1, 64)
+    _forward_rows(target, ids, 0, prefix, cache)
+    seen = []  # (module, input [1, k, in], output [1, k, out]) of every linear in the k-row forward
+    hooks = [
+        module.register_forward_hook(lambda mod, args, out: seen.append((mod, args[0], out)))
+        for module in target.model.modules()
+        if isinstance(module, FastLinear)
+    ]
+    try:
+        verify_logits, _ = _forward_rows(target, ids, prefix, k, cache)  # [k, V]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(seen) == info["count"]
+    with torch.inference_mode():
+        for module, layer_in, layer_out in seen:
+            for i in range(k):
+                assert torch.equal(module(layer_in[:, i : i + 1])[0, 0], layer_out[0, i])
+    cache.truncate(torch.tensor([prefix]))
+    step_logits = torch.cat([_forward_rows(target, ids, prefix + i, 1, cache)[0] for i in range(k)])  # [k, V]
+    scale = float(step_logits.abs().max())
+    torch.testing.assert_close(verify_logits, step_logits, rtol=1e-5, atol=1e-5 * scale)
+    assert torch.equal(verify_logits.argmax(-1), step_logits.argmax(-1))

@@ -1,0 +1,322 @@
+"""Trained drafters: self-distillation data (resume), the trainer (loss falls, resume), checkpoints
+(save -> load -> identical proposals, wrong target rejected) and the `medusa` / `mtp` drafters
+(greedy output identical to plain decoding, sampled output distributed like the target).
+
+The tiny target is a "counter": its embeddings / LM head are set so that greedy decoding walks
+the cycle 3, 4, ..., V - 1, 3, ... (its blocks are random but small). Its self-distilled answers are
+therefore a repetitive deterministic pattern that heads can learn in a few hundred steps, while
+the blocks still make the hidden states (and the heads' job) non-trivial.
+"""
+
+import json
+import random
+
+import pytest
+import torch
+from conftest import make_tiny_hf_dir
+from safetensors.torch import load_file
+from scipy.stats import chisquare
+
+from specdec import SamplingParams, generate
+from specdec.drafters.base import DraftContext
+from specdec.drafters.medusa import MedusaDrafter, best_first_choices
+from specdec.drafters.mtp import MTPDrafter
+from specdec.models.llama import load_native
+from specdec.train import DataSettings, TrainSettings, build_dataset, build_heads, load_checkpoint, load_samples, train
+from specdec.train.heads import target_description
+from specdec.train.prompts import SOURCES, PromptItem, mixed_prompts
+from specdec.verify import VerifyResult
+
+VOCAB = 24
+FIRST_CYCLE_TOKEN = 3  # 0 = <s>, 1 and 2 are EOS ids of the tiny tokenizer / generation config
+LOSS_LIMIT = 1.3  # held-out CE every head type must get below (it starts near ln(24) = 3.2-3.5)
+AGREEMENT_LIMIT = 0.9  # held-out top-1 agreement of head 1 after training
+HEAD_SETUPS = {  # kind -> (head positions, learning rate)
+    "medusa": (3, 3e-3),
+    "mtp-parallel": (3, 1e-3),
+    "mtp-sequential": (3, 1e-3),
+}
+
+
+def make_counter_target(path, seed: int = 0, logit_gap: float = 2.5):
+    """A tiny Llama whose greedy output is the cycle 3..V-1 (p(next in cycle) ~ 0.25 at temperature 1)."""
+    _, model = make_tiny_hf_dir(path, "llama", seed=seed, vocab_size=VOCAB)
+    hidden_size = model.config.hidden_size
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        codes = torch.linalg.qr(torch.randn(hidden_size, hidden_size, generator=generator))[0][:VOCAB]  # [V, H]
+        successor = [FIRST_CYCLE_TOKEN if t < FIRST_CYCLE_TOKEN or t == VOCAB - 1 else t + 1 for t in range(VOCAB)]
+        lm_head = torch.zeros(VOCAB, hidden_size)
+        for token, following in enumerate(successor):
+            lm_head[following] += codes[token]
+        model.model.embed_tokens.weight.copy_(codes * 4)
+        model.lm_head.weight.copy_(lm_head * logit_gap / hidden_size**0.5)
+        for layer in model.model.layers:  # keep the blocks, but small: the cycle stays the argmax
+            layer.self_attn.o_proj.weight.mul_(0.05)
+            layer.mlp.down_proj.weight.mul_(0.05)
+    model.save_pretrained(path)
+    return load_native(path, name=f"counter-{seed}")
+
+
+def text_prompts(count: int, seed: int) -> list[PromptItem]:
+    """Short prompts in the tiny char tokenizer's alphabet (ids 3..V-1 are chr(33)..chr(30 + V - 1))."""
+    rng = random.Random(seed)
+    return [
+        PromptItem("".join(chr(30 + rng.randrange(FIRST_CYCLE_TOKEN, VOCAB)) for _ in range(rng.randrange(2, 6))), "self-instruct")
+        for _ in range(count)
+    ]
+
+
+@pytest.fixture(scope="module")
+def counter(tmp_path_factory):
+    return make_counter_target(tmp_path_factory.mktemp("counter") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def counter_data(counter, tmp_path_factory):
+    out = tmp_path_factory.mktemp("counter_data") / "data"
+    settings = DataSettings(num_prompts=16, max_new_tokens=40, shard_size=8, sampled_fraction=0.0)
+    build_dataset(counter, out, settings, prompts=text_prompts(16, seed=0), progress=False, log=lambda _: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(counter, counter_data, tmp_path_factory):
+    """kind -> (checkpoint dir, TrainResult, in-memory heads) for every head type."""
+    results = {}
+    for kind, (positions, lr) in HEAD_SETUPS.items():
+        heads = build_heads(kind, counter, positions)
+        _, samples = load_samples(counter_data, [heads.input_layer], counter)
+        out = tmp_path_factory.mktemp(kind) / "ckpt"
+        settings = TrainSettings(steps=150, lr=lr, batch_size=4, loss_rows=256, warmup_steps=10, eval_every=75)
+        result = train(heads, counter, samples, out, settings, target_description(counter), progress=False, log=lambda _: None)
+        results[kind] = (out, result, heads)
+    return results
+
+
+def drafter_for(kind, target, checkpoint=None, heads=None, rank_acc=None, **options):
+    cls = MedusaDrafter if kind == "medusa" else MTPDrafter
+    if heads is not None:
+        return cls.from_heads(target, heads, rank_acc=rank_acc, **options)
+    return cls(target, checkpoint=str(checkpoint), **options)
+
+
+# ---------------------------------------------------------------------------- prompts and data
+def test_offline_prompt_mix_is_deterministic_and_sourced():
+    prompts = mixed_prompts(60, seed=3)
+    assert prompts == mixed_prompts(60, seed=3) and prompts != mixed_prompts(60, seed=4)
+    assert len({p.text for p in prompts}) == 60
+    assert {p.source for p in prompts} == set(SOURCES)  # all three offline sources take part
+    assert "PSF" in SOURCES["python-docs"].licence or "Python Software Foundation" in SOURCES["python-docs"].licence
+    with pytest.raises(ValueError, match="num_prompts"):
+        mixed_prompts(0)
+
+
+def _shard_tensors(directory):
+    manifest = json.loads((directory / "manifest.json").read_text())
+    return manifest, {shard: load_file(str(directory / info["file"])) for shard, info in manifest["shards"].items()}
+
+
+def test_data_resume_after_interruption_gives_identical_shards(counter, tmp_path):
+    # half of the answers are sampled: their seeds must not depend on when the job ran
+    settings = lambda: DataSettings(num_prompts=6, max_new_tokens=12, shard_size=2, sampled_fraction=0.5, seed=5)  # noqa: E731
+    prompts = text_prompts(6, seed=1)
+    quiet = lambda _: None  # noqa: E731
+    build_dataset(counter, tmp_path / "whole", settings(), prompts=prompts, progress=False, log=quiet)
+    partial = build_dataset(counter, tmp_path / "resumed", settings(), prompts=prompts, progress=False, log=quiet,
+                            stop_after_shards=1)
+    assert len(partial["shards"]) == 1 and not partial["complete"]
+    _, samples = load_samples(tmp_path / "resumed", [counter.num_layers], counter)  # finished shards are usable
+    assert len(samples) == 2
+    resumed = build_dataset(counter, tmp_path / "resumed", settings(), prompts=prompts, progress=False, log=quiet)
+    assert resumed["complete"]
+
+    whole_manifest, whole = _shard_tensors(tmp_path / "whole")
+    resumed_manifest, again = _shard_tensors(tmp_path / "resumed")
+    assert whole.keys() == again.keys() == {"0", "1", "2"}
+    for shard in whole:
+        assert whole[shard].keys() == again[shard].keys()
+        for name in whole[shard]:
+            assert torch.equal(whole[shard][name], again[shard][name]), (shard, name)
+    assert any(bool(t["sampled"].any()) for t in whole.values()) and any(not bool(t["sampled"].all()) for t in whole.values())
+    assert resumed_manifest["sources"]["self-instruct"]["licence"] and resumed_manifest["generated_text_licence"]
+    assert resumed_manifest["target"]["fingerprint"] == target_description(counter)["fingerprint"]
+
+    with pytest.raises(ValueError, match="other settings"):
+        build_dataset(counter, tmp_path / "whole", DataSettings(num_prompts=6, max_new_tokens=13, shard_size=2),
+                      prompts=prompts, progress=False, log=quiet)
+
+
+def test_hidden_states_in_data_match_the_target(counter, counter_data):
+    layer = counter.num_layers
+    _, samples = load_samples(counter_data, [layer], counter)
+    sample = samples[3]
+    _, hiddens = counter.forward(sample.tokens[None], torch.arange(len(sample.tokens))[None],
+                                 counter.new_cache(1, len(sample.tokens)), hidden_layers=(layer,))
+    assert torch.allclose(sample.hidden[layer].float(), hiddens[layer][0], atol=1e-2)
+    # the answer is the target's own greedy continuation of the prompt
+    prompt = sample.tokens[: sample.num_prompt_tokens].tolist()
+    assert generate(counter, prompt, max_new_tokens=40).tokens == sample.tokens[sample.num_prompt_tokens :].tolist()
+
+
+# ---------------------------------------------------------------------------- training
+@pytest.mark.parametrize("kind", list(HEAD_SETUPS))
+def test_training_loss_falls_below_limit(trained, kind):
+    _, result, _ = trained[kind]
+    first, last = result.history["eval"][0], result.history["eval"][-1]
+    assert first["step"] == 0 and last["step"] == result.steps == 150
+    assert first["loss"] > 2.5  # untrained heads do not know the pattern
+    assert last["loss"] < LOSS_LIMIT, result.history["eval"]
+    assert last["top1"][0] > AGREEMENT_LIMIT, last["top1"]
+    assert len(last["rank_acc"]) == HEAD_SETUPS[kind][0]
+
+
+def test_trainer_resume_continues_exactly(counter, counter_data, tmp_path):
+    heads_layer = counter.num_layers
+    _, samples = load_samples(counter_data, [heads_layer], counter)
+    info = target_description(counter)
+    quiet = lambda _: None  # noqa: E731
+    settings = lambda: TrainSettings(steps=12, lr=3e-3, batch_size=2, loss_rows=64, eval_every=100, save_every=100)  # noqa: E731
+    straight = build_heads("medusa", counter, 2)
+    train(straight, counter, samples, tmp_path / "straight", settings(), info, progress=False, log=quiet)
+    halves = build_heads("medusa", counter, 2)
+    # the "interrupted" run stops after 6 of its 12 steps
+    train(halves, counter, samples, tmp_path / "halves", settings(), info, progress=False, log=quiet, stop_after_steps=6)
+    resumed = build_heads("medusa", counter, 2)  # a new process: fresh weights, restored from the state file
+    result = train(resumed, counter, samples, tmp_path / "halves", settings(), info, resume=True, progress=False, log=quiet)
+    assert result.steps == 12
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.allclose(a, b, atol=1e-6), name
+    assert (tmp_path / "halves" / "training.png").stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------- checkpoints and drafters
+def _proposal(drafter, target, prompt: list[int], budget: int, sampling=SamplingParams()):
+    """begin + prefill hidden rows -> propose, as the loop would drive it (root = prompt[-1])."""
+    cached = prompt[:-1]
+    _, hiddens = target.forward(torch.tensor([cached]), torch.arange(len(cached))[None], target.new_cache(1, 64),
+                                hidden_layers=drafter.hidden_layers)
+    ctx = DraftContext(list(prompt), len(prompt) - 1, sampling, torch.Generator().manual_seed(7))
+    ctx.new_hidden = {layer: h[0] for layer, h in hiddens.items()}
+    drafter.begin(cached, target)
+    drafter.on_verified(VerifyResult([prompt[-1]], 0, []), ctx)
+    return drafter.propose(ctx, budget)
+
+
+@pytest.mark.parametrize("kind", list(HEAD_SETUPS))
+def test_save_load_gives_identical_proposals(counter, trained, kind):
+    checkpoint, result, heads = trained[kind]
+    loaded = drafter_for(kind, counter, checkpoint=checkpoint)
+    in_memory = drafter_for(kind, counter, heads=heads, rank_acc=result.eval["rank_acc"])
+    sampled = SamplingParams(temperature=1.0, seed=3)
+    for prompt in ([5, 6, 7, 8], [20, 21, 22], [9, 4, 17, 3, 11]):
+        for sampling in (SamplingParams(), sampled):
+            a = _proposal(loaded, counter, prompt, 6, sampling)
+            b = _proposal(in_memory, counter, prompt, 6, sampling)
+            assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+            assert (a.draft_probs is None) == (b.draft_probs is None)
+            if a.draft_probs is not None:
+                assert torch.equal(a.draft_probs, b.draft_probs)
+    # the trained heads know the cycle: the first drafted token follows the root
+    greedy = _proposal(loaded, counter, [5, 6, 7, 8], 3)
+    assert int(greedy.tokens[0]) == 9  # newest cached token 7, root 8: head 1 proposes the token after the root
+
+
+@pytest.mark.parametrize("kind,options", [
+    ("medusa", {}),
+    ("medusa", {"choices": "[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]"}),
+    ("mtp-parallel", {}),
+    ("mtp-parallel", {"tree": True, "tree_nodes": 8}),
+    ("mtp-sequential", {}),
+    ("mtp-sequential", {"gamma": 5}),
+], ids=["medusa", "medusa-choices", "parallel-chain", "parallel-tree", "sequential", "sequential-gamma5"])
+def test_greedy_with_trained_heads_equals_plain(counter, trained, kind, options):
+    drafter = drafter_for(kind, counter, checkpoint=trained[kind][0], **options)
+    for prompt in ([5, 6, 7, 8], [20, 21], [13, 3, 22, 9]):
+        plain = generate(counter, prompt, max_new_tokens=30)
+        spec = generate(counter, prompt, drafter, max_new_tokens=30)
+        assert spec.tokens == plain.tokens
+        assert spec.stats.tau > 2.5  # the heads learned the pattern: drafts are accepted
+
+
+def test_sampled_mtp_drafts_keep_the_target_distribution(counter, trained):
+    """Temperature 1: drafts are sampled from the heads (draft_probs = q); outputs must follow the target."""
+    drafter = drafter_for("mtp-sequential", counter, checkpoint=trained["mtp-sequential"][0], gamma=2)
+    prompt = [5, 6, 7, 8]
+    runs = 300
+    pairs = {}
+    for seed in range(runs):
+        # token 1 comes from the prefill, tokens 2-3 from one drafted + verified step
+        tokens = generate(counter, prompt, drafter, max_new_tokens=3, sampling=SamplingParams(1.0, seed=seed)).tokens
+        if len(tokens) == 3 and tokens[0] == 9:
+            pairs[tuple(tokens[1:])] = pairs.get(tuple(tokens[1:]), 0) + 1
+    # exact target probabilities of (token 2, token 3) after prompt + 9, from the target itself
+    context = prompt + [9]
+    logits, _ = counter.forward(torch.tensor([context]), torch.arange(len(context))[None], counter.new_cache(1, 8))
+    second = torch.softmax(logits[0, -1], -1)  # [V]
+    batch = torch.tensor([context + [t] for t in range(VOCAB)])  # [V, 6]
+    logits, _ = counter.forward(batch, torch.arange(batch.shape[1]).expand(VOCAB, -1), counter.new_cache(VOCAB, 8))
+    third = torch.softmax(logits[:, -1], -1)  # [V, V]
+    joint = second[:, None] * third  # [V, V]
+    joint[counter.eos_token_ids] = 0.0  # an EOS as token 2 ends the run early: those runs are not counted
+    expected_joint = joint.flatten()  # [V * V]
+    observed = torch.zeros(VOCAB * VOCAB)
+    for (a, b), count in pairs.items():
+        observed[a * VOCAB + b] = count
+    total = observed.sum()
+    assert total > 15
+    # merge cells with small expected counts into one bin so the chi-square test is valid
+    expected = expected_joint * total
+    big = expected >= 5
+    obs = torch.cat([observed[big], observed[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    assert chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
+
+
+def test_wrong_target_checkpoint_is_rejected(counter, trained, counter_data, tmp_path):
+    other = make_counter_target(tmp_path / "other", seed=1)
+    for kind in HEAD_SETUPS:
+        with pytest.raises(ValueError, match="made for target"):
+            drafter_for(kind, other, checkpoint=trained[kind][0])
+    with pytest.raises(ValueError, match="made for target"):
+        load_samples(counter_data, [other.num_layers], other)
+    with pytest.raises(ValueError, match="for the 'mtp' drafter"):
+        MedusaDrafter(counter, checkpoint=str(trained["mtp-sequential"][0]))
+    with pytest.raises(ValueError, match="needs checkpoint"):
+        MTPDrafter(counter)
+    with pytest.raises(ValueError, match="tree=true needs parallel"):
+        MTPDrafter(counter, checkpoint=str(trained["mtp-sequential"][0]), tree=True)
+    with pytest.raises(ValueError, match="deeper than"):
+        MedusaDrafter(counter, checkpoint=str(trained["medusa"][0]), choices="[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]")
+    heads, config = load_checkpoint(trained["medusa"][0], counter)
+    assert config["target"]["name"] == counter.name and "lm_head.weight" not in heads.state_dict()
+
+
+def test_best_first_tree_is_prefix_closed_and_greedy():
+    rank_acc = [[0.8, 0.1, 0.05], [0.6, 0.2, 0.1], [0.4, 0.2, 0.1]]
+    choices = best_first_choices(rank_acc, 8)
+    assert choices[:3] == [(0,), (0, 0), (0, 0, 0)]  # 0.8, 0.48, 0.19 beat every alternative
+    for count in range(1, 9):
+        kept = set(choices[:count])
+        assert all(len(path) == 1 or path[:-1] in kept for path in kept)
+
+
+def test_cli_end_to_end_on_tiny_model(tiny_dirs, tmp_path):
+    from specdec.cli import main
+
+    model_dir = str(tiny_dirs["llama"][0])
+    data, ckpt = str(tmp_path / "data"), str(tmp_path / "ckpt")
+    assert main(["train", "data", "--model", model_dir, "--out", data, "--num-prompts", "3", "--max-new-tokens", "8",
+                 "--shard-size", "2", "--no-progress"]) == 0
+    manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    assert manifest["complete"] and sum(info["prompts"] for info in manifest["sources"].values()) == 3
+    train_args = ["train", "mtp", "--model", model_dir, "--data", data, "--out", ckpt, "--flavour", "parallel",
+                  "--num-heads", "2", "--steps", "5", "--batch-size", "2", "--loss-rows", "32", "--no-progress"]
+    assert main(train_args) == 0
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert config["head"]["kind"] == "mtp-parallel" and config["training"]["steps"] == 5
+    assert (tmp_path / "ckpt" / "training.png").exists()
+    assert main(train_args) == 2  # refuses to overwrite a checkpoint without --resume / --overwrite
+    resume_args = [arg if arg != "5" else "8" for arg in train_args] + ["--resume"]
+    assert main(resume_args) == 0
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["training"]["steps"] == 8
