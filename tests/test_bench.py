@@ -115,7 +115,7 @@ def test_bench_smollm2_every_kind(smollm2, tmp_path):
     drafter = _drafter_name()
     methods = ["plain", drafter, "hf-plain", "hf-assisted", "small-model"]
     config = BenchConfig(methods=methods, limit_per_kind=1, max_new_tokens=16, gamma=4, out_dir=str(tmp_path),
-                         progress=False)
+                         progress=False, warmup=False)  # the warm-up path runs in the planted-mismatch test
     result = run_benchmark(config, target=smollm2)
     assert result.exit_code == 0, result.mismatches
 
@@ -164,7 +164,7 @@ def test_planted_mismatch_fails_the_run(smollm2, tmp_path, capsys):
     register_method("lossy-test", lossy)
     try:
         config = BenchConfig(methods=["plain", "lossy-test"], task_kinds=["qa"], limit_per_kind=1, max_new_tokens=8,
-                             out_dir=str(tmp_path), progress=False, warmup=False)
+                             out_dir=str(tmp_path), progress=False, warmup=True)
         result = run_benchmark(config, target=smollm2)
     finally:
         unregister_method("lossy-test")

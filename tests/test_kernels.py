@@ -8,11 +8,13 @@ import torch.nn.functional as F
 from specdec.kernels import (
     CppSkinnyLinear,
     FastLinear,
+    Int8SkinnyLinear,
     KernelUnavailable,
     RowwiseTorchLinear,
     TorchLinear,
     fast_linear_modules,
     make_backend,
+    quantize_int8,
 )
 from specdec.models.llama import load_native
 
@@ -65,6 +67,30 @@ def test_cpp_rows_do_not_depend_on_thread_count(cpp_backend):
     assert torch.equal(single, multi)
 
 
+def test_cpp_concurrent_callers_get_the_same_bits(cpp_backend):
+    """Python threads calling at once (a server): one gets the thread pool, the others run
+    single-threaded; every result is still bitwise the sequential one."""
+    import threading
+
+    weight, bias = _weights(777, 200, seed=8)
+    inputs = [torch.randn(1 + i % 5, 200) for i in range(12)]
+    expected = [cpp_backend.linear(x, weight, bias) for x in inputs]
+    mismatches = []
+
+    def caller(offset):
+        for step in range(40):
+            i = (offset + step) % len(inputs)
+            if not torch.equal(cpp_backend.linear(inputs[i], weight, bias), expected[i]):
+                mismatches.append(i)
+
+    callers = [threading.Thread(target=caller, args=(k,)) for k in range(3)]
+    for thread in callers:
+        thread.start()
+    for thread in callers:
+        thread.join()
+    assert not mismatches
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_cpp_matches_f_linear(cpp_backend, shape, with_bias):
@@ -101,6 +127,31 @@ def test_cpp_falls_back_to_f_linear_where_the_kernel_does_not_apply(cpp_backend)
     torch.testing.assert_close(w_grad.grad, x.sum(0).expand(33, -1))
     # empty input
     assert cpp_backend.linear(torch.randn(0, 20), weight, bias).shape == (0, 33)
+
+
+@pytest.mark.parametrize("shape", [(29, 37), (300, 1536)])
+def test_int8_is_batch_invariant_and_matches_dequantized_weights(cpp_backend, shape):
+    backend = Int8SkinnyLinear()
+    weight, bias = _weights(*shape, seed=9)
+    x = torch.randn(16, shape[1])
+    _assert_rows_batch_invariant(backend, weight, bias, x)
+    quantized, scale = quantize_int8(weight)
+    assert quantized.dtype == torch.int8 and int(quantized.abs().max()) == 127
+    dequantized = quantized.double() * scale.double()[:, None]  # [N, K]
+    assert float((dequantized - weight.double()).abs().max()) <= float(scale.max()) / 2 + 1e-7
+    ref = F.linear(x.double(), dequantized, bias.double())
+    torch.testing.assert_close(backend.linear(x, weight, bias).double(), ref, rtol=1e-5, atol=1e-5 * shape[1] ** 0.5)
+
+
+def test_int8_requantizes_after_an_in_place_weight_update(cpp_backend):
+    backend = Int8SkinnyLinear()
+    weight, bias = _weights(40, 64, seed=10)
+    x = torch.randn(3, 64)
+    before = backend.linear(x, weight, bias)
+    with torch.no_grad():
+        weight.mul_(2.0)
+    after = backend.linear(x, weight, bias)
+    torch.testing.assert_close(after - bias, 2 * (before - bias), rtol=1e-5, atol=1e-4)
 
 
 def test_rowwise_fallback_is_batch_invariant_and_correct():
@@ -206,3 +257,19 @@ def test_fast_linear_model_k_row_verify_equals_one_row_steps(tmp_path, cpp_backe
     scale = float(step_logits.abs().max())
     torch.testing.assert_close(verify_logits, step_logits, rtol=1e-5, atol=1e-5 * scale)
     assert torch.equal(verify_logits.argmax(-1), step_logits.argmax(-1))
+
+
+def test_int8_model_is_close_to_fp32_and_keeps_the_tie(tmp_path, cpp_backend):
+    from conftest import make_tiny_hf_dir
+
+    hf_dir, _ = make_tiny_hf_dir(tmp_path / "q", "qwen2", seed=5, tie_word_embeddings=True)
+    plain, quantized = load_native(hf_dir), load_native(hf_dir)
+    info = fast_linear_modules(quantized.model, backend="int8")
+    assert info["backend"] == "int8" and info["quantized"] and info["batch_invariant"]
+    assert quantized.model.lm_head.weight is quantized.model.model.embed_tokens.weight
+    assert quantized.model.model.embed_tokens.weight.dtype == torch.float32  # lookups stay exact
+    ids = list(range(5, 31))
+    plain_logits, _ = _forward_rows(plain, ids, 0, len(ids), plain.new_cache(1, 64))  # [T, V]
+    int8_logits, _ = _forward_rows(quantized, ids, 0, len(ids), quantized.new_cache(1, 64))
+    error = float((int8_logits - plain_logits).abs().max()) / float(plain_logits.abs().max())
+    assert 0 < error < 0.05  # lossy, but only at the int8 rounding level

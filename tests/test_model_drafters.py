@@ -235,11 +235,14 @@ def _assert_same_draft(draft: Draft, fresh: Draft):
 
 @pytest.mark.parametrize("kind", ["small-model", "layer-skip"])
 @pytest.mark.parametrize(
-    "tree, temperature", [(False, 0.0), (False, 1.0), (True, 0.0), (True, 1.0)], ids=["chain", "sampled", "tree", "tree-t1"]
+    "tree, beam, temperature",
+    [(False, 1, 0.0), (False, 1, 1.0), (True, 1, 0.0), (True, 2, 0.0), (True, 2, 1.0)],
+    ids=["chain", "sampled", "tree-beam1", "tree-beam2", "tree-beam2-t1"],
 )
-def test_draft_cache_rolls_back_like_a_fresh_drafter(tiny_pair, kind, tree, temperature):
+def test_draft_cache_rolls_back_like_a_fresh_drafter(tiny_pair, kind, tree, beam, temperature):
+    # beam 1 keeps the drafted path in the cache (a chain), beam 2 writes sibling branches
     target, draft_model = tiny_pair
-    options = dict(tree=tree, tree_nodes=6, tree_depth=3, tree_topk=2, tree_beam=2)
+    options = dict(tree=tree, tree_nodes=6, tree_depth=3, tree_topk=2, tree_beam=beam)
     if kind == "small-model":
         make = lambda: SmallModelDrafter(target, draft_target=draft_model, **options)  # noqa: E731
     else:
@@ -250,6 +253,33 @@ def test_draft_cache_rolls_back_like_a_fresh_drafter(tiny_pair, kind, tree, temp
 
     ctx = _scripted_steps(make().for_sequence(), target, [0, 5, 9, 3, 7], SamplingParams(temperature, seed=1), 5, check_fresh)
     assert len(ctx.tokens) > 12
+
+
+@pytest.mark.parametrize("beam", [1, 2])
+def test_tree_children_are_the_draft_models_top_k_given_their_path(tiny_pair, beam):
+    """Every expanded node's children are the draft model's best tokens after that node's own path
+    (checked against a fresh causal forward): the tree mask hides sibling branches."""
+    target, draft_model = tiny_pair
+    drafter = SmallModelDrafter(target, draft_target=draft_model, tree=True, tree_depth=4, tree_topk=3, tree_beam=beam)
+    drafter = drafter.for_sequence()
+    prompt = [0, 5, 9, 3, 7, 4]
+    drafter.begin(prompt, target)
+    ctx = DraftContext(list(prompt), len(prompt), SamplingParams())
+    draft = drafter.propose(ctx, 12)
+    assert len(draft) == 12 and int(draft.depths.max()) >= 3
+    expanded = 0
+    for node in range(-1, len(draft)):
+        children = draft.children(node)
+        if not children:
+            continue
+        path = [] if node < 0 else [int(draft.tokens[n]) for n in draft.path_to(node)]
+        sequence = prompt + path
+        logits, _ = draft_model.forward(torch.tensor([sequence]), torch.arange(len(sequence))[None],
+                                        draft_model.new_cache(1, len(sequence)))
+        best = torch.topk(logits[0, -1], len(children)).indices.tolist()
+        assert [int(draft.tokens[child]) for child in children] == best
+        expanded += 1
+    assert expanded >= (4 if beam == 2 else 3)
 
 
 def test_chain_drafting_feeds_each_token_once(tiny_pair):

@@ -239,38 +239,53 @@ def test_greedy_with_trained_heads_equals_plain(counter, trained, kind, options)
         assert spec.stats.tau > 2.5  # the heads learned the pattern: drafts are accepted
 
 
-def test_sampled_mtp_drafts_keep_the_target_distribution(counter, trained):
-    """Temperature 1: drafts are sampled from the heads (draft_probs = q); outputs must follow the target."""
-    drafter = drafter_for("mtp-sequential", counter, checkpoint=trained["mtp-sequential"][0], gamma=2)
-    prompt = [5, 6, 7, 8]
-    runs = 300
-    pairs = {}
-    for seed in range(runs):
-        # token 1 comes from the prefill, tokens 2-3 from one drafted + verified step
-        tokens = generate(counter, prompt, drafter, max_new_tokens=3, sampling=SamplingParams(1.0, seed=seed)).tokens
-        if len(tokens) == 3 and tokens[0] == 9:
-            pairs[tuple(tokens[1:])] = pairs.get(tuple(tokens[1:]), 0) + 1
-    # exact target probabilities of (token 2, token 3) after prompt + 9, from the target itself
-    context = prompt + [9]
-    logits, _ = counter.forward(torch.tensor([context]), torch.arange(len(context))[None], counter.new_cache(1, 8))
-    second = torch.softmax(logits[0, -1], -1)  # [V]
-    batch = torch.tensor([context + [t] for t in range(VOCAB)])  # [V, 6]
-    logits, _ = counter.forward(batch, torch.arange(batch.shape[1]).expand(VOCAB, -1), counter.new_cache(VOCAB, 8))
-    third = torch.softmax(logits[:, -1], -1)  # [V, V]
-    joint = second[:, None] * third  # [V, V]
-    joint[counter.eos_token_ids] = 0.0  # an EOS as token 2 ends the run early: those runs are not counted
-    expected_joint = joint.flatten()  # [V * V]
-    observed = torch.zeros(VOCAB * VOCAB)
-    for (a, b), count in pairs.items():
-        observed[a * VOCAB + b] = count
-    total = observed.sum()
-    assert total > 15
-    # merge cells with small expected counts into one bin so the chi-square test is valid
-    expected = expected_joint * total
-    big = expected >= 5
-    obs = torch.cat([observed[big], observed[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    assert chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
+def _exact_token_marginals(target, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact target distributions of output tokens 2 and 3 at temperature 1: [V + 1] each, last = ended (EOS before)."""
+    eos = target.eos_token_ids
+
+    def next_probs(contexts: torch.Tensor) -> torch.Tensor:  # [n, T] -> [n, V]
+        rows, width = contexts.shape
+        logits, _ = target.forward(contexts, torch.arange(width).expand(rows, -1), target.new_cache(rows, width))
+        return torch.softmax(logits[:, -1].double(), -1)
+
+    first = next_probs(torch.tensor([prompt]))[0]  # [V]
+    tokens = torch.arange(VOCAB)
+    second = next_probs(torch.cat([torch.tensor(prompt).expand(VOCAB, -1), tokens[:, None]], 1))  # [V(x1), V]
+    pairs = torch.cartesian_prod(tokens, tokens)  # [V*V, 2] (x1, x2)
+    third = next_probs(torch.cat([torch.tensor(prompt).expand(VOCAB * VOCAB, -1), pairs], 1)).view(VOCAB, VOCAB, VOCAB)
+    alive1 = first.clone()
+    alive1[eos] = 0.0  # runs whose token 1 is EOS have no token 2
+    marginal2 = torch.cat([alive1 @ second, first[eos].sum()[None]])  # [V + 1]
+    joint12 = alive1[:, None] * second  # [V, V]
+    ended = first[eos].sum() + joint12[:, eos].sum()
+    joint12[:, eos] = 0.0
+    marginal3 = torch.cat([torch.einsum("ab,abc->c", joint12, third), ended[None]])  # [V + 1]
+    return marginal2, marginal3
+
+
+@pytest.mark.parametrize("kind", ["mtp-sequential", "mtp-parallel"])
+def test_sampled_mtp_drafts_keep_the_target_distribution(counter, trained, kind):
+    """Temperature 1: drafts are SAMPLED from the heads (draft_probs = q); outputs must follow the target."""
+    from specdec.api import generate_batch
+
+    drafter = drafter_for(kind, counter, checkpoint=trained[kind][0], gamma=2)
+    prompt, runs = [5, 6, 7, 8], 1500
+    # token 1 comes from the prefill, tokens 2-3 from ONE step: 2 sampled draft tokens + verification
+    results = generate_batch(counter, [prompt] * runs, drafter, max_new_tokens=4,
+                             sampling=[SamplingParams(1.0, seed=seed) for seed in range(runs)])
+    assert sum(r.stats.accepted_tokens for r in results) > 0.1 * runs  # drafts were really tried and accepted
+    expected2, expected3 = _exact_token_marginals(counter, prompt)
+    for position, expected in ((1, expected2), (2, expected3)):
+        observed = torch.zeros(VOCAB + 1)
+        for result in results:
+            observed[result.tokens[position] if len(result.tokens) > position else VOCAB] += 1
+        expected = expected.float() * runs
+        assert observed[expected == 0].sum() == 0  # nothing impossible under the target ever appears
+        big = expected >= 5  # merge rare outcomes into one bin so the chi-square test is valid
+        rare = expected[~big].sum()
+        obs = torch.cat([observed[big], observed[~big].sum()[None]]) if rare > 0 else observed[big]
+        exp = torch.cat([expected[big], rare[None]]) if rare > 0 else expected[big]
+        assert chisquare(obs.numpy(), exp.numpy() * float(obs.sum()) / float(exp.sum())).pvalue > 1e-3, (position, obs, exp)
 
 
 def test_wrong_target_checkpoint_is_rejected(counter, trained, counter_data, tmp_path):

@@ -216,10 +216,17 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
     model_dir, target_name = getattr(target, "model_dir", None), str(target.name)
     peer_specs = [s for s in specs if entries[s.label].peer]
     if peer_specs:
-        peer_target, reason = _peer_target(target, config.dtype)
-        if owns_target and peer_target is not target:
-            del target  # never hold the native and the transformers copy of a large target together
-            gc.collect()
+        from ..models.hf import HFTarget
+
+        peer_target, reason = (target, None) if isinstance(target, HFTarget) else (None, None)
+        if peer_target is None:
+            if owns_target:
+                del target  # never hold the native and the transformers copy of a large target together
+                gc.collect()
+            if model_dir is None:
+                reason = "the target has no HF model directory to load with transformers"
+            else:
+                peer_target = HFTarget.from_dir(model_dir, dtype=config.dtype, name=target_name)
         for spec in peer_specs:
             if peer_target is None:
                 run.unavailable(spec, entries[spec.label], reason)
@@ -246,18 +253,6 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
     if errors:
         print(f"FAILED: method(s) {', '.join(errors)} raised an error (see above)", file=sys.stderr)
     return BenchResult(1 if failed or errors else 0, out_dir, run.rows, run.methods, summary, run.mismatches, markdown)
-
-
-def _peer_target(target, dtype: str):
-    """The transformers copy of the target for the peers: (HFTarget, None) or (None, why not)."""
-    from ..models.hf import HFTarget
-
-    if isinstance(target, HFTarget):
-        return target, None
-    model_dir = getattr(target, "model_dir", None)
-    if model_dir is None:
-        return None, "the target has no HF model directory to load with transformers"
-    return HFTarget.from_dir(model_dir, dtype=dtype, name=str(target.name)), None
 
 
 def _environment() -> dict:

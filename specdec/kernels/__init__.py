@@ -4,13 +4,15 @@
     info = fast_linear_modules(model)          # every nn.Linear -> FastLinear, in place
     # info == {"backend": "cpp", "count": ..., "batch_invariant": True, "reason": ...}
 
-SPECDEC_LINEAR=torch (or fast_linear_modules(model, backend="torch")) keeps plain F.linear.
+SPECDEC_LINEAR=torch (or fast_linear_modules(model, backend="torch")) keeps plain F.linear;
+backend="int8" (or SPECDEC_LINEAR=int8) is the opt-in, lossy weight-only int8 path.
 """
 
 from .skinny_gemm import (
     BACKENDS,
     CppSkinnyLinear,
     FastLinear,
+    Int8SkinnyLinear,
     KernelUnavailable,
     RowwiseTorchLinear,
     TorchLinear,
@@ -19,12 +21,14 @@ from .skinny_gemm import (
     kernel_cache_dir,
     load_library,
     make_backend,
+    quantize_int8,
 )
 
 __all__ = [
     "BACKENDS",
     "CppSkinnyLinear",
     "FastLinear",
+    "Int8SkinnyLinear",
     "KernelUnavailable",
     "RowwiseTorchLinear",
     "TorchLinear",
@@ -33,4 +37,5 @@ __all__ = [
     "kernel_cache_dir",
     "load_library",
     "make_backend",
+    "quantize_int8",
 ]
