@@ -66,6 +66,10 @@ def method_table(compiler: str | None = None) -> dict[str, Callable]:
             methods[f"cpp_{isa}"] = _prepared_backend("cpp", compiler=compiler, isa=isa)
         except KernelUnavailable as exc:
             print(f"# cpp_{isa}: unavailable ({exc})")
+    try:
+        methods["int8"] = _prepared_backend("int8", compiler=compiler)
+    except KernelUnavailable as exc:
+        print(f"# int8: unavailable ({exc})")
     return methods
 
 
