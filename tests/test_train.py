@@ -190,6 +190,41 @@ def test_trainer_resume_continues_exactly(counter, counter_data, tmp_path):
     assert (tmp_path / "halves" / "training.png").stat().st_size > 0
 
 
+@torch.no_grad()
+def test_mtp_training_pass_matches_the_drafting_computation(counter, counter_data):
+    """The unrolled training forward must compute exactly what the drafter computes step by step."""
+    from specdec.train.heads import FrozenTargetParts
+
+    parts = FrozenTargetParts.from_target(counter)
+    torch.manual_seed(0)
+    sequential = build_heads("mtp-sequential", counter, 3)
+    parallel = build_heads("mtp-parallel", counter, 2)
+    for module in (sequential, parallel):
+        for param in module.parameters():  # random weights: nothing may match by accident
+            param.add_(torch.randn_like(param) * 0.1)
+    _, samples = load_samples(counter_data, [counter.num_layers - 1, counter.num_layers], counter)
+    sample = samples[0]
+    tokens, length = sample.tokens[None], sample.tokens.shape[0]
+    positions = torch.arange(length)[None]
+    last, trunk = sample.hidden[counter.num_layers].float()[None], sample.hidden[counter.num_layers - 1].float()[None]
+    trained_view = sequential(last, tokens, positions, parts)  # [D, 1, T, H]
+    for p in (4, 11, length - 5):
+        cache = sequential.new_cache(64, torch.float32, "cpu")
+        depth1 = sequential.step(last[:, : p + 1], tokens[:, 1 : p + 2], positions[:, : p + 1], cache, parts)
+        assert torch.allclose(depth1[0], trained_view[0, 0, : p + 1], atol=1e-4)
+        previous = depth1[:, -1:]
+        for depth in (2, 3):  # depth d at position p + d - 1, reading token p + d
+            token, position = tokens[:, p + depth : p + depth + 1], torch.tensor([[p + depth - 1]])
+            previous = sequential.step(previous, token, position, cache, parts)
+            assert torch.allclose(previous[0, 0], trained_view[depth - 1, 0, p], atol=1e-4), (p, depth)
+    trained_view = parallel(trunk, tokens, positions)  # [K, 1, T, H]
+    cache = parallel.new_cache(length, torch.float32, "cpu")
+    first = parallel.absorb(trunk[:, :7], positions[:, :7], cache)  # [K, H] at position 6
+    assert torch.allclose(first, trained_view[:, 0, 6], atol=1e-4)
+    rest = parallel.absorb(trunk[:, 7:], positions[:, 7:], cache)  # incremental, like verify steps
+    assert torch.allclose(rest, trained_view[:, 0, -1], atol=1e-4)
+
+
 # ---------------------------------------------------------------------------- checkpoints and drafters
 def _proposal(drafter, target, prompt: list[int], budget: int, sampling=SamplingParams()):
     """begin + prefill hidden rows -> propose, as the loop would drive it (root = prompt[-1])."""

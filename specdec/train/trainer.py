@@ -191,9 +191,12 @@ def evaluate(heads: DraftHeads, samples: list[Sample], parts: FrozenTargetParts,
     }
 
 
+WARMUP_FRACTION = 0.05  # warmup also ends once this share of the horizon has passed (short timed runs)
+
+
 def lr_factor(step: int, progress: float, settings: TrainSettings) -> float:
-    """Linear warmup over warmup_steps, then cosine from 1 to min_lr_ratio over progress in [0, 1]."""
-    warmup = min(1.0, (step + 1) / max(1, settings.warmup_steps))
+    """Linear warmup (warmup_steps, or 5% of the horizon if that is shorter), then cosine to min_lr_ratio."""
+    warmup = min(1.0, max((step + 1) / max(1, settings.warmup_steps), progress / WARMUP_FRACTION))
     cosine = settings.min_lr_ratio + (1 - settings.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return warmup * cosine
 
