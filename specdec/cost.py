@@ -140,6 +140,8 @@ def cost_key(target, prefix_len: int = 64) -> dict:
         "prefix_len": int(prefix_len),
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
+        # the linear kernel changes T(k) a lot (specdec.kernels): tables never mix backends
+        "linear": str(getattr(target, "linear_backend", "torch")),
     }
     if device.type == "cuda" and torch.cuda.is_available():
         key["device_name"] = torch.cuda.get_device_name(device)

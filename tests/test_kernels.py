@@ -18,16 +18,27 @@ from specdec.kernels import (
 )
 from specdec.models.llama import load_native
 
-# (out, in): vector-width multiples, odd tails in K and in N, a K smaller than one vector
-SHAPES = [(64, 128), (29, 37), (131, 1000), (5, 3), (300, 1536)]
+# (out, in): vector-width multiples, odd tails in K and in N, a K smaller than one vector, and
+# K past one 512-element chunk with a tail (rows > 4 walk K in chunks)
+SHAPES = [(64, 128), (29, 37), (131, 1000), (5, 3), (300, 1536), (70, 1027)]
+
+
+def _cpp_or_skip(isa=None):
+    try:
+        return CppSkinnyLinear(isa=isa)
+    except KernelUnavailable as exc:
+        pytest.skip(f"compiled skinny GEMM unavailable here: {exc}")
 
 
 @pytest.fixture(scope="module")
 def cpp_backend():
-    try:
-        return CppSkinnyLinear()
-    except KernelUnavailable as exc:
-        pytest.skip(f"compiled skinny GEMM unavailable here: {exc}")
+    return _cpp_or_skip()
+
+
+@pytest.fixture(scope="module", params=["avx512", "avx2"])
+def cpp_backend_per_isa(request):
+    """The kernel built for each instruction set this CPU can run (AVX2 also on AVX-512 CPUs)."""
+    return _cpp_or_skip(request.param)
 
 
 def _weights(out_features, in_features, seed, bias=True):
@@ -47,10 +58,20 @@ def _assert_rows_batch_invariant(backend, weight, bias, x):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_cpp_rows_are_bitwise_batch_invariant(cpp_backend, shape, with_bias):
+def test_cpp_rows_are_bitwise_batch_invariant(cpp_backend_per_isa, shape, with_bias):
     weight, bias = _weights(*shape, seed=shape[0], bias=with_bias)
     x = torch.randn(16, shape[1], generator=torch.Generator().manual_seed(7))  # [16, K]
-    _assert_rows_batch_invariant(cpp_backend, weight, bias, x)
+    _assert_rows_batch_invariant(cpp_backend_per_isa, weight, bias, x)
+
+
+def test_cpp_prefill_sized_calls_keep_rows_invariant(cpp_backend):
+    """Hundreds of rows (a prefill) span several row panels: still the bits of each row alone."""
+    weight, bias = _weights(96, 1536, seed=12)
+    x = torch.randn(300, 1536)  # [M, K], ~84 rows per panel at K = 1536
+    out = cpp_backend.linear(x, weight, bias)  # [300, 96]
+    for i in (0, 83, 84, 85, 170, 299):
+        assert torch.equal(out[i], cpp_backend.linear(x[i : i + 1], weight, bias)[0]), i
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
 
 
 def test_cpp_rows_do_not_depend_on_thread_count(cpp_backend):
@@ -93,12 +114,12 @@ def test_cpp_concurrent_callers_get_the_same_bits(cpp_backend):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_cpp_matches_f_linear(cpp_backend, shape, with_bias):
+def test_cpp_matches_f_linear(cpp_backend_per_isa, shape, with_bias):
     weight, bias = _weights(*shape, seed=11, bias=with_bias)
     for num_rows in (1, 3, 8, 17, 40):  # 40 rows spans several row panels for small K
         x = torch.randn(num_rows, shape[1])
         ref = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-        out = cpp_backend.linear(x, weight, bias)
+        out = cpp_backend_per_isa.linear(x, weight, bias)
         assert out.dtype == torch.float32 and out.shape == (num_rows, shape[0])
         # fp32 dot products of length K: error grows ~ sqrt(K) * eps * |terms|
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * shape[1] ** 0.5)
@@ -129,7 +150,7 @@ def test_cpp_falls_back_to_f_linear_where_the_kernel_does_not_apply(cpp_backend)
     assert cpp_backend.linear(torch.randn(0, 20), weight, bias).shape == (0, 33)
 
 
-@pytest.mark.parametrize("shape", [(29, 37), (300, 1536)])
+@pytest.mark.parametrize("shape", [(29, 37), (300, 1536), (61, 1029)])
 def test_int8_is_batch_invariant_and_matches_dequantized_weights(cpp_backend, shape):
     backend = Int8SkinnyLinear()
     weight, bias = _weights(*shape, seed=9)
@@ -174,6 +195,18 @@ def test_without_a_compiler_auto_falls_back_to_torch(monkeypatch):
     assert isinstance(make_backend("auto").backend, TorchLinear)
     with pytest.raises(KernelUnavailable):
         CppSkinnyLinear()
+
+
+def test_a_failing_compiler_means_fallback_not_a_crash(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECDEC_LINEAR", raising=False)
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    with pytest.raises(KernelUnavailable, match="failed to build"):
+        CppSkinnyLinear(compiler="true")  # exits 0 but writes nothing
+    choice = make_backend("auto", compiler="true")
+    assert isinstance(choice.backend, TorchLinear) and "failed to build" in choice.reason
+    assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-built left in the cache
+    with pytest.raises(ValueError, match="isa"):
+        CppSkinnyLinear(isa="sse2")
 
 
 def test_backend_names_and_env_override(monkeypatch):
@@ -273,3 +306,20 @@ def test_int8_model_is_close_to_fp32_and_keeps_the_tie(tmp_path, cpp_backend):
     int8_logits, _ = _forward_rows(quantized, ids, 0, len(ids), quantized.new_cache(1, 64))
     error = float((int8_logits - plain_logits).abs().max()) / float(plain_logits.abs().max())
     assert 0 < error < 0.05  # lossy, but only at the int8 rounding level
+
+
+def test_fast_linear_models_deepcopy_and_pickle(tmp_path, cpp_backend):
+    """Copies of a converted model (drafters copy modules; torch.save pickles) keep working."""
+    import copy
+    import pickle
+
+    layer = torch.nn.Sequential(torch.nn.Linear(20, 30))
+    fast_linear_modules(layer, backend="cpp")
+    x = torch.randn(3, 20)
+    with torch.no_grad():
+        expected = layer(x)
+        clone = copy.deepcopy(layer)
+        assert clone[0].backend is layer[0].backend and clone[0].weight is not layer[0].weight
+        assert torch.equal(clone(x), expected)
+        restored = pickle.loads(pickle.dumps(layer))
+        assert restored[0].backend.name == "cpp" and torch.equal(restored(x), expected)

@@ -4,6 +4,7 @@
     python -m specdec.kernels.bench_linear --shapes model        # every 0.5B/1.5B layer shape + LM heads
     python -m specdec.kernels.bench_linear --methods torch,cpp_avx512 --rows 1,8 --reps 30
     python -m specdec.kernels.bench_linear --forward qwen2.5-0.5b   # whole native forward, random weights
+    python -m specdec.kernels.bench_linear --perplexity smollm2-135m  # fp32 vs int8 accuracy
 
 Shapes are weight shapes [out, in]. By default weights are "cold": each method cycles through
 enough copies of the weight to overflow the CPU caches (~1 GiB per shape), as in a real forward
@@ -74,14 +75,17 @@ def method_table(compiler: str | None = None) -> dict[str, Callable]:
 
 
 def time_methods(prepared: dict[str, list[Callable]], x: torch.Tensor, reps: int) -> dict[str, list[float]]:
-    """ms per call for each method, interleaved; each method cycles through its weight copies."""
+    """ms per call for each method, interleaved. Every call (of any method) takes the next weight
+    copy in turn, so no call finds its weight still cached from the call before it."""
     times = {name: [] for name in prepared}
     for name, runs in prepared.items():  # warm-up: touch every copy once
         for run in runs:
             run(x)
-    for rep in range(reps):
+    calls = 0
+    for _ in range(reps):
         for name, runs in prepared.items():
-            run = runs[rep % len(runs)]
+            run = runs[calls % len(runs)]
+            calls += 1
             start = time.perf_counter()
             run(x)
             times[name].append((time.perf_counter() - start) * 1e3)
@@ -155,19 +159,25 @@ def random_native_target(config_name: str):
 
 def bench_forward(config_name: str, rows: list[int], backends: list[str], reps: int, prefix_len: int = 64) -> dict:
     """{backend: {k: [ms, ...]}}: one target forward over k new tokens after a fixed prefix."""
-    from .skinny_gemm import fast_linear_modules
+    from .skinny_gemm import FastLinear, fast_linear_modules, make_backend
 
     target = random_native_target(config_name)
+    fast_linear_modules(target.model, backend="torch")
+    linears = [module for module in target.model.modules() if isinstance(module, FastLinear)]
+    # one instance per backend for the whole run (int8 quantises each weight once, at first use)
+    instances = {name: make_backend(name).backend for name in backends}
     cache = target.new_cache(1, prefix_len + max(rows) + 1)
     tokens = torch.randint(0, target.vocab_size, (1, prefix_len + max(rows)))  # [1, P + k]
     target.forward(tokens[:, :prefix_len], torch.arange(prefix_len)[None], cache)
     results = {name: {k: [] for k in rows} for name in backends}
     for rep in range(reps + 1):  # rep 0 warms up every backend / row count
         for name in backends:
-            fast_linear_modules(target.model, backend=name)
+            for module in linears:
+                module.backend = instances[name]
             for k in rows:
+                positions = torch.arange(prefix_len, prefix_len + k)[None]  # [1, k]
                 start = time.perf_counter()
-                target.forward(tokens[:, prefix_len : prefix_len + k], torch.arange(prefix_len, prefix_len + k)[None], cache)
+                target.forward(tokens[:, prefix_len : prefix_len + k], positions, cache)
                 elapsed = (time.perf_counter() - start) * 1e3
                 cache.truncate(prefix_len)
                 if rep:
@@ -175,9 +185,38 @@ def bench_forward(config_name: str, rows: list[int], backends: list[str], reps: 
     return results
 
 
+def perplexity_by_backend(model_name: str, backends: list[str], max_tokens: int = 1024) -> dict[str, tuple]:
+    """{backend: (perplexity, top-1 agreement with the first backend)} for `model_name` (a registry
+    name, e.g. smollm2-135m) on a fixed text.
+
+    The text is the source of Python's `textwrap` module (code, fixed for a Python version)."""
+    import inspect
+    import math
+    import textwrap
+
+    from .. import load_target
+    from .skinny_gemm import fast_linear_modules
+
+    target = load_target(model_name, progress=False)
+    ids = target.tokenizer(inspect.getsource(textwrap))["input_ids"][:max_tokens]
+    tokens = torch.tensor([ids])  # [1, T]
+    results, reference_argmax = {}, None
+    for name in backends:
+        fast_linear_modules(target.model, backend=name)
+        logits, _ = target.forward(tokens, torch.arange(len(ids))[None], target.new_cache(1, len(ids)))  # [1, T, V]
+        nll = F.cross_entropy(logits[0, :-1].double(), tokens[0, 1:])
+        argmax = logits[0].argmax(-1)  # [T]
+        reference_argmax = argmax if reference_argmax is None else reference_argmax
+        agreement = float((argmax == reference_argmax).float().mean())
+        results[name] = (math.exp(float(nll)), agreement)
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="default", help="'default', 'model', or e.g. '8960x1536,896x896' ([out]x[in])")
+    parser.add_argument(
+        "--shapes", default="default", help="'default', 'model', or e.g. '8960x1536,896x896' ([out]x[in])"
+    )
     parser.add_argument("--rows", default="1,2,4,8,16")
     parser.add_argument("--methods", default="", help="comma list (default: all that run here)")
     parser.add_argument("--reps", type=int, default=20)
@@ -185,7 +224,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hot", action="store_true", help="reuse one weight copy (cache-resident)")
     parser.add_argument("--min", action="store_true", help="also print the minimum: 'median (min)'")
     parser.add_argument("--forward", choices=sorted(FORWARD_CONFIGS), help="time whole native forwards instead")
+    parser.add_argument("--perplexity", metavar="MODEL", help="perplexity per backend (torch,cpp,int8) on a fixed text")
     args = parser.parse_args(argv)
+    if args.perplexity:
+        backends = args.methods.split(",") if args.methods else ["torch", "cpp", "int8"]
+        for name, (value, agreement) in perplexity_by_backend(args.perplexity, backends).items():
+            print(f"{args.perplexity} {name}: perplexity {value:.4f}, argmax = {backends[0]}'s at {agreement:.1%}")
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]

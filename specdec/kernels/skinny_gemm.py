@@ -9,7 +9,7 @@ so row i of a k-row call is bitwise equal to that row run alone.
 
 Backends (a registry, looked up by name):
 
-    "cpp"      the C++ kernel (fp32, AVX2+FMA or AVX-512); built with the system C++ compiler
+    "cpp"      the C++ kernel (fp32, AVX-512 or AVX2+FMA); built with the system C++ compiler
                at first use into $SPECDEC_CACHE/kernels (default ~/.cache/specdec/kernels),
                a few seconds, then cached. Other dtypes (bf16) go through F.linear.
     "torch"    F.linear: exactly the plain nn.Linear behaviour (fast, not batch invariant).
@@ -21,7 +21,8 @@ Backends (a registry, looked up by name):
 
 Environment: SPECDEC_LINEAR=torch turns the fast path off for "auto" callers;
 SPECDEC_CXX names the compiler (SPECDEC_CXX=none: behave as if there were none);
-SPECDEC_KERNEL_SPIN_US sets how long kernel threads spin-wait between calls (default 50).
+SPECDEC_KERNEL_SPIN_US sets how long kernel threads spin-wait between calls (default 50);
+SPECDEC_KERNEL_ISA=avx2|avx512 picks the build (default: the widest the CPU has).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ SOURCE_PATH = Path(__file__).parent / "csrc" / "skinny_gemm.cpp"
 ENV_BACKEND = "SPECDEC_LINEAR"
 ENV_COMPILER = "SPECDEC_CXX"
 ENV_SPIN_US = "SPECDEC_KERNEL_SPIN_US"
-NO_COMPILER = ("", "none", "0", "off")
+ENV_ISA = "SPECDEC_KERNEL_ISA"
+NO_COMPILER = ("none", "0", "off", "false")
 ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx2", "-mfma"), "avx2": ("-mavx2", "-mfma")}
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-math-errno")
 DEFAULT_SPIN_US = 50
@@ -78,9 +80,9 @@ def cpu_isa() -> str | None:
 
 def find_compiler(compiler: str | None = None) -> str | None:
     """The C++ compiler to build with: `compiler`, else $SPECDEC_CXX, else $CXX / g++ / c++ / clang++."""
-    wanted = compiler if compiler is not None else os.environ.get(ENV_COMPILER)
+    wanted = compiler if compiler is not None else (os.environ.get(ENV_COMPILER) or None)
     if wanted is not None:
-        return None if wanted.strip().lower() in NO_COMPILER else shutil.which(wanted)
+        return None if wanted.strip().lower() in NO_COMPILER else shutil.which(wanted.strip())
     for candidate in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if candidate and shutil.which(candidate):
             return shutil.which(candidate)
@@ -93,7 +95,10 @@ class SkinnyGemmLibrary:
     def __init__(self, path: Path, isa: str):
         self.path = path
         self.isa = isa
-        lib = ctypes.CDLL(str(path))
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise KernelUnavailable(f"cannot load {path}: {exc}") from exc
         lib.sg_isa.restype = ctypes.c_char_p
         lib.sg_vector_width.restype = ctypes.c_int
         lib.sg_set_spin_us.argtypes = [ctypes.c_int64]
@@ -121,7 +126,9 @@ class SkinnyGemmLibrary:
         except ValueError:
             raise ValueError(f"{ENV_SPIN_US} must be a whole number of microseconds, got {spin!r}") from None
 
-    def linear_f32(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_threads: int) -> torch.Tensor:
+    def linear_f32(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_threads: int
+    ) -> torch.Tensor:
         """x [..., K], weight [N, K], bias [N] or None: contiguous fp32 CPU tensors -> [..., N].
 
         No checks here (the caller's job); kept lean because a 0.5B model makes ~170 calls per token."""
@@ -134,7 +141,6 @@ class SkinnyGemmLibrary:
         if status != 0:
             raise RuntimeError(f"skinny GEMM kernel rejected shapes x {tuple(x.shape)} w {tuple(weight.shape)}")
         return out
-
 
     def linear_int8(
         self, x: torch.Tensor, quantized: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, num_threads: int
@@ -155,22 +161,35 @@ _LIBRARIES: dict[tuple, SkinnyGemmLibrary] = {}  # loaded .so files, one per (co
 _BUILD_LOCK = threading.Lock()
 
 
-def load_library(compiler: str | None = None, isa: str | None = None, cache_dir: Path | None = None) -> SkinnyGemmLibrary:
-    """Build (once, cached on disk) and load the kernel; raises KernelUnavailable with the reason."""
+def load_library(
+    compiler: str | None = None, isa: str | None = None, cache_dir: Path | None = None
+) -> SkinnyGemmLibrary:
+    """Build (once, cached on disk) and load the kernel; raises KernelUnavailable with the reason.
+
+    `isa`: "avx2" or "avx512"; None = $SPECDEC_KERNEL_ISA, else the widest this CPU has. Results
+    are bitwise reproducible per ISA (the two sum in different orders)."""
+    isa = isa or os.environ.get(ENV_ISA) or None
+    if isa is not None and isa not in ISA_FLAGS:
+        raise ValueError(f"isa ({ENV_ISA}) must be one of {sorted(ISA_FLAGS)} or unset, got {isa!r}")
     cxx = find_compiler(compiler)
     if cxx is None:
         raise KernelUnavailable(f"no C++ compiler (set {ENV_COMPILER} or install g++)")
     native_isa = cpu_isa()
+    if native_isa is None:
+        raise KernelUnavailable("this CPU lacks AVX2+FMA")
     isa = isa or native_isa
-    if isa not in ISA_FLAGS:
-        raise KernelUnavailable(f"CPU lacks AVX2+FMA (isa={isa!r}; supported: {sorted(ISA_FLAGS)})")
-    if native_isa is None or (isa == "avx512" and native_isa != "avx512"):
-        raise KernelUnavailable(f"this CPU cannot run the {isa} kernel (it has {native_isa})")
+    if isa == "avx512" and native_isa != "avx512":
+        raise KernelUnavailable(f"this CPU cannot run the avx512 kernel (it has {native_isa})")
     cache_dir = Path(cache_dir) if cache_dir is not None else kernel_cache_dir()
     key = (cxx, isa, str(cache_dir))
     with _BUILD_LOCK:
         if key not in _LIBRARIES:
-            _LIBRARIES[key] = SkinnyGemmLibrary(_build(cxx, isa, cache_dir), isa)
+            path = _build(cxx, isa, cache_dir)
+            try:
+                _LIBRARIES[key] = SkinnyGemmLibrary(path, isa)
+            except KernelUnavailable:
+                path.unlink(missing_ok=True)  # a damaged cache entry: rebuild next time
+                raise
         return _LIBRARIES[key]
 
 
@@ -183,17 +202,22 @@ def _build(cxx: str, isa: str, cache_dir: Path) -> Path:
     target = cache_dir / f"skinny_gemm-{isa}-{digest}.so"
     if target.exists():
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(suffix=".so", dir=cache_dir)
-    os.close(fd)
     try:
-        result = subprocess.run([cxx, *flags, str(SOURCE_PATH), "-o", tmp_name], capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+        os.close(fd)
+    except OSError as exc:
+        raise KernelUnavailable(f"cannot write the kernel cache {cache_dir}: {exc}") from exc
+    try:
+        command = [cxx, *flags, str(SOURCE_PATH), "-o", tmp_name]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        if result.returncode != 0 or os.path.getsize(tmp_name) == 0:
             raise KernelUnavailable(f"{cxx} failed to build {SOURCE_PATH.name}:\n{result.stderr[-2000:]}")
-        os.replace(tmp_name, target)  # concurrent builders each rename a complete file
-        for stale in cache_dir.glob(f"skinny_gemm-{isa}-*.so"):  # builds of older sources
-            if stale != target:
-                stale.unlink(missing_ok=True)  # a process still using it keeps its mapping
+        # concurrent builders each rename a complete file; older builds stay (tens of KB each)
+        # because another checkout may still be loading one
+        os.replace(tmp_name, target)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise KernelUnavailable(f"building {SOURCE_PATH.name} with {cxx} failed: {exc}") from exc
     finally:
         if os.path.exists(tmp_name):
             os.unlink(tmp_name)
@@ -236,16 +260,28 @@ class RowwiseTorchLinear:
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-class CppSkinnyLinear:
+class _CompiledBackend:
+    """Shared by the compiled backends: one loaded library, shared (not copied) by deepcopy and
+    rebuilt from its options when unpickled (ctypes handles cannot be copied or pickled)."""
+
+    def __init__(self, compiler: str | None = None, isa: str | None = None, cache_dir: Path | None = None):
+        self.library = load_library(compiler, isa, cache_dir)
+        self._options = (compiler, self.library.isa, cache_dir)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (type(self), self._options)
+
+
+class CppSkinnyLinear(_CompiledBackend):
     """The compiled batch-invariant kernel for fp32 CPU inference; anything else -> F.linear.
 
     The fallback covers other dtypes (bf16: correct, not batch invariant), non-CPU tensors,
     non-contiguous weights and autograd (the kernel has no backward)."""
 
     name = "cpp"
-
-    def __init__(self, compiler: str | None = None, isa: str | None = None, cache_dir: Path | None = None):
-        self.library = load_library(compiler, isa, cache_dir)
 
     def batch_invariant(self, dtype: torch.dtype) -> bool:
         return dtype == torch.float32
@@ -264,21 +300,31 @@ class CppSkinnyLinear:
             return False
         if bias is not None and not (bias.dtype is _FP32 and bias.is_cpu and bias.is_contiguous()):
             return False
-        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        if torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        ):
             return False  # the kernel has no backward
         # let F.linear raise its usual shape error / handle empty inputs
         return x.shape[-1] == weight.shape[1] and x.numel() > 0
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-row int8: weight [N, K] ~ quantized [N, K] int8 * scale [N, 1]."""
-    absmax = weight.detach().abs().amax(dim=1).float()  # [N]
-    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))  # [N]
-    quantized = torch.round(weight.detach().float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # [N, K]
-    return quantized.contiguous(), scale.contiguous()
+def quantize_int8(weight: torch.Tensor, rows_per_block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-row int8: weight [N, K] ~ quantized [N, K] int8 * scale [N, 1].
+
+    Works through `rows_per_block` rows at a time so an LM head needs no full fp32 temporaries."""
+    out_features, in_features = weight.shape
+    quantized = torch.empty((out_features, in_features), dtype=torch.int8)  # [N, K]
+    scale = torch.empty(out_features, dtype=torch.float32)  # [N]
+    for start in range(0, out_features, rows_per_block):
+        block = weight[start : start + rows_per_block].detach().float()  # [n, K]
+        absmax = block.abs().amax(dim=1)  # [n]
+        block_scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+        quantized[start : start + rows_per_block] = torch.round(block / block_scale[:, None]).clamp_(-127, 127)
+        scale[start : start + rows_per_block] = block_scale
+    return quantized, scale
 
 
-class Int8SkinnyLinear:
+class Int8SkinnyLinear(_CompiledBackend):
     """Weight-only int8 (per-row scales) through the same batch-invariant kernel: 4x fewer weight
     bytes than fp32, so plain decoding gets faster too. LOSSY versus the fp32 model (speculative
     decoding stays exact with respect to this quantised target). The int8 copy of each weight is
@@ -288,7 +334,7 @@ class Int8SkinnyLinear:
     name = "int8"
 
     def __init__(self, compiler: str | None = None, isa: str | None = None, cache_dir: Path | None = None):
-        self.library = load_library(compiler, isa, cache_dir)
+        super().__init__(compiler, isa, cache_dir)
         self._quantized: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (version, q, scale)
 
     def batch_invariant(self, dtype: torch.dtype) -> bool:
@@ -296,12 +342,16 @@ class Int8SkinnyLinear:
 
     def quantized(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [N, K] int8, scale [N]) for `weight`, cached while the weight lives and is unchanged."""
+        try:
+            version = weight._version  # bumped by in-place updates
+        except RuntimeError:  # an inference-mode tensor has no version counter (and is immutable)
+            version = -1
         entry = self._quantized.get(id(weight))
-        if entry is None or entry[0] != weight._version:
+        if entry is None or entry[0] != version:
             if entry is None:  # forget the copy when the weight is freed (ids get reused)
                 weakref.finalize(weight, self._quantized.pop, id(weight), None)
             with torch.inference_mode(False), torch.no_grad():
-                entry = (weight._version, *quantize_int8(weight))
+                entry = (version, *quantize_int8(weight))
             self._quantized[id(weight)] = entry
         return entry[1], entry[2]
 
@@ -360,8 +410,8 @@ class FastLinear(nn.Linear):
 def fast_linear_modules(model: nn.Module, backend: str = "auto", compiler: str | None = None) -> dict:
     """Replace every nn.Linear in `model` (in place) by a FastLinear on the chosen backend.
 
-    Returns {"backend", "count", "batch_invariant", "quantized", "reason"}. Parameters are shared, not copied
-    (a tied lm_head keeps pointing at embed_tokens.weight). Already-replaced modules are
+    Returns {"backend", "count", "batch_invariant", "quantized", "reason"}. Parameters are
+    shared, not copied (a tied lm_head keeps pointing at embed_tokens.weight). Already-replaced modules are
     re-pointed at the new backend, so calling it twice switches backends."""
     choice = make_backend(backend, compiler=compiler)
     replacements = [

@@ -201,6 +201,7 @@ class NativeTarget(Target):
         self.device = model.lm_head.weight.device
         attn = model.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.linear_backend = "torch"  # set by load_native when a kernel is swapped in
 
     def new_cache(self, batch_size: int = 1, max_len: int = 2048, num_layers: int | None = None) -> KVCache:
         return KVCache(
@@ -211,8 +212,16 @@ class NativeTarget(Target):
         return self.model(tokens, positions, cache, attn_mask, hidden_layers, layer_ids)
 
 
-def load_native(model_dir: str | Path, dtype: str | torch.dtype = "float32", name: str | None = None) -> NativeTarget:
-    """Load an HF-format directory (config.json + *.safetensors + tokenizer files) on the native runtime."""
+def load_native(
+    model_dir: str | Path, dtype: str | torch.dtype = "float32", name: str | None = None, linear: str = "auto"
+) -> NativeTarget:
+    """Load an HF-format directory (config.json + *.safetensors + tokenizer files) on the native runtime.
+
+    `linear` picks the kernel behind every projection (specdec.kernels): "auto" = the
+    batch-invariant skinny-GEMM kernel when it builds here (`SPECDEC_LINEAR=torch` turns it off).
+    """
+    from ..kernels import fast_linear_modules
+
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -237,6 +246,7 @@ def load_native(model_dir: str | Path, dtype: str | torch.dtype = "float32", nam
         model.lm_head.weight = model.model.embed_tokens.weight
     inv_freq, model.attention_scaling = _rope_inv_freq(cfg)
     model.inv_freq = inv_freq
+    linear_info = fast_linear_modules(model, backend=linear)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     try:
         gen_cfg = GenerationConfig.from_pretrained(model_dir)
@@ -244,4 +254,6 @@ def load_native(model_dir: str | Path, dtype: str | torch.dtype = "float32", nam
         gen_cfg = None
     spec_file = model_dir / "specdec.json"
     display = name or (json.loads(spec_file.read_text()).get("name") if spec_file.exists() else None) or model_dir.name
-    return NativeTarget(model, tokenizer, display, model_dir, gen_cfg)
+    target = NativeTarget(model, tokenizer, display, model_dir, gen_cfg)
+    target.linear_backend = linear_info["backend"]
+    return target
