@@ -52,14 +52,17 @@ class AutoBudget:
         self.probe_every = probe_every
         self._trackers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> tracker
         self._idle_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._draft_ms: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> ms per draft token
+        self._last_draft_totals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _tracker(self, seq) -> AcceptanceTracker:
         return self._trackers.setdefault(seq, AcceptanceTracker())
 
     def _draft_ms_per_token(self, seq) -> float:
-        # measured so far for this sequence, else the drafter's prior (in target-step units)
-        if seq.stats.drafted_tokens >= 8:
-            return 1000.0 * seq.stats.time_draft_s / seq.stats.drafted_tokens
+        """Running estimate of drafting cost per draft token (ms); the drafter's prior until measured."""
+        measured = self._draft_ms.get(seq)
+        if measured is not None:
+            return measured
         return self.draft_ms_prior or seq.drafter.draft_cost_tokens() * self.cost.t(1)
 
     def max_budget_for(self, drafter) -> int:
@@ -93,6 +96,22 @@ class AutoBudget:
     def observe(self, seq, drafted_depth: int, accepted: int) -> None:
         if drafted_depth > 0:  # an empty draft (no n-gram match, budget 0) says nothing about acceptance
             self._tracker(seq).update(drafted_depth, accepted)
+        self._update_draft_cost(seq)
+
+    def _update_draft_cost(self, seq) -> None:
+        """EMA of draft ms per drafted token over steps. The first drafting step is skipped: it
+        includes one-off work (a draft model prefilling the whole prompt) that would otherwise
+        make drafting look far more expensive per token than it is."""
+        time_s, drafted = seq.stats.time_draft_s, seq.stats.drafted_tokens
+        last_time_s, last_drafted, steps_seen = self._last_draft_totals.get(seq, (0.0, 0, 0))
+        if drafted <= last_drafted:
+            return
+        self._last_draft_totals[seq] = (time_s, drafted, steps_seen + 1)
+        if steps_seen == 0:
+            return
+        step_ms = 1000.0 * (time_s - last_time_s) / (drafted - last_drafted)
+        previous = self._draft_ms.get(seq)
+        self._draft_ms[seq] = step_ms if previous is None else 0.7 * previous + 0.3 * step_ms
 
 
 def auto_budget_policy(target, drafter, max_budget: int = 12) -> AutoBudget:
