@@ -153,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=DEFAULT_MODEL, help="registry name, HF model directory, or .gguf file")
     gen.add_argument("--drafter", default=None, help="drafter name (see `specdec drafters`); none = plain decoding")
     gen.add_argument("--drafter-arg", action="append", default=[], metavar="KEY=VALUE", help="drafter option")
-    gen.add_argument("--gamma", default=None, help="draft length / node budget per step: an int, or 'auto' (cost model)")
+    gen.add_argument("--gamma", default="auto",
+                     help="draft length / node budget per step: 'auto' (default: the measured cost table decides "
+                          "each step, measured once per model and machine) or a fixed int")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
