@@ -116,7 +116,10 @@ class SpecBatch:
             width = int(lengths.max())
             tokens = torch.tensor([list(p) + [p[-1]] * (width - len(p)) for p in prompts])  # [b, T]
             positions = torch.arange(width).expand(len(new), -1)  # [b, T]
-            logits, hiddens = self.target.forward(tokens, positions, rows, hidden_layers=self.hidden_layers)
+            extra = {}
+            if getattr(self.target, "skips_padding", False) and len(new) > 1:
+                extra["token_valid"] = torch.arange(width)[None, :] < lengths[:, None]  # [b, T]
+            logits, hiddens = self.target.forward(tokens, positions, rows, hidden_layers=self.hidden_layers, **extra)
             rows.truncate(lengths)  # drop the padding slots
         for row, seq in enumerate(new):
             probs = warp_logits_to_probs(logits[row, lengths[row] - 1], seq.ctx.sampling)  # [V]
@@ -150,8 +153,13 @@ class SpecBatch:
             starts = rows.lengths.clone()
             width = 1 + max(len(d) for d in drafts)
             tokens, positions, mask = _batch_inputs(seqs, drafts, starts, width)
-            # 4. the one target forward
-            logits, hiddens = self.target.forward(tokens, positions, rows, attn_mask=mask, hidden_layers=self.hidden_layers)
+            # 4. the one target forward (rows with shorter drafts are padded; a target that can
+            # skips the padding's compute, so the cost follows the real token count)
+            extra = {}
+            if getattr(self.target, "skips_padding", False) and len(seqs) > 1:
+                extra["token_valid"] = torch.arange(width)[None, :] <= torch.tensor([len(d) for d in drafts])[:, None]
+            logits, hiddens = self.target.forward(tokens, positions, rows, attn_mask=mask, hidden_layers=self.hidden_layers,
+                                                  **extra)
             # 5. verification per row
             results = []
             for row, (seq, draft) in enumerate(zip(seqs, drafts)):

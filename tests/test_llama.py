@@ -110,6 +110,28 @@ def test_ragged_batch_equals_each_alone(tiny_target):
         assert torch.allclose(step[row, 0], alone[-1], atol=1e-5)
 
 
+def test_skipping_padding_rows_changes_nothing_real(tiny_target):
+    """token_valid: the real tokens' logits, hiddens and cache entries equal the padded forward's."""
+    target = tiny_target
+    prompts = [[3, 4, 5], [10, 11, 12, 13, 14, 15, 16], [40, 41, 42, 43, 44]]
+    lengths = torch.tensor([len(p) for p in prompts])
+    width = int(lengths.max())
+    padded = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts])
+    valid = torch.arange(width)[None, :] < lengths[:, None]  # [3, T]
+    results = []
+    for token_valid in (None, valid):
+        cache = target.new_cache(3, 64)
+        logits, hiddens = target.forward(padded, torch.arange(width).expand(3, -1), cache, hidden_layers=(1,),
+                                         token_valid=token_valid)
+        results.append((logits, hiddens[1], cache))
+    (full_logits, full_hidden, full_cache), (packed_logits, packed_hidden, packed_cache) = results
+    assert torch.allclose(full_logits[valid], packed_logits[valid], atol=1e-5)
+    assert torch.allclose(full_hidden[valid], packed_hidden[valid], atol=1e-5)
+    assert (packed_logits[~valid] == 0).all()  # padding was not computed
+    for row, length in enumerate(lengths.tolist()):
+        assert torch.allclose(full_cache.keys[0][row, :, :length], packed_cache.keys[0][row, :, :length], atol=1e-5)
+
+
 def test_cache_overflow_is_a_clear_error(tiny_target):
     cache = tiny_target.new_cache(1, 4)
     with pytest.raises(ValueError, match="KV cache overflow"):

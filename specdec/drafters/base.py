@@ -76,6 +76,13 @@ class Drafter(ABC):
         """Rough draft cost per proposed token in units of one target decode step (cost model prior)."""
         return 0.0
 
+    def catch_up_tokens(self, ctx: DraftContext) -> int:
+        """Committed tokens the next proposal must first feed through the drafter's own model
+        (a draft model's prompt prefill, or tokens committed while drafting was off). Each costs
+        about `draft_cost_tokens()` of a target token in a prefill-sized forward; the budget
+        policy weighs this one-off cost against the expected saving. 0: no such cache."""
+        return 0
+
 
 DRAFTERS: dict[str, type[Drafter]] = {}
 

@@ -206,6 +206,16 @@ class ModelDrafter(Drafter):
     def draft_cost_tokens(self) -> float:
         return self._cost_tokens
 
+    def catch_up_tokens(self, ctx: DraftContext) -> int:
+        if self.lm is None:
+            return len(ctx.tokens)
+        cached = self.lm.tokens
+        if len(cached) <= len(ctx.tokens) and ctx.tokens[: len(cached)] == cached:  # the usual case, at C speed
+            common = len(cached)
+        else:
+            common = _common_prefix_length(cached, ctx.tokens)
+        return len(ctx.tokens) - min(common, len(ctx.tokens) - 1)  # the root is always fed
+
     def begin(self, prompt_ids, target) -> None:
         # a fresh cache per sequence (for_sequence copies share the model, never the cache)
         self.lm = self._new_draft_lm(len(prompt_ids) + self._step_slots(self.default_budget) + _CACHE_HEADROOM)

@@ -29,6 +29,8 @@ class Target(ABC):
     dtype: torch.dtype
     device: torch.device
     model_dir: Path | None = None
+    # True when forward() also takes token_valid [B, T] (bool) and skips padding tokens' compute
+    skips_padding: bool = False
 
     @abstractmethod
     def new_cache(self, batch_size: int = 1, max_len: int = 2048): ...

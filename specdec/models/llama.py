@@ -58,11 +58,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = qk_norm
 
-    def forward(self, x, cos, sin, cache: KVCache, layer_slot: int, mask):
+    def forward(self, x, cos, sin, cache: KVCache, layer_slot: int, mask, rows: "PackedRows | None" = None):
         batch, num_new, _ = x.shape  # x: [B, T, H]
-        q = self.q_proj(x).view(batch, num_new, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, num_new, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, num_new, self.num_kv_heads, self.head_dim)
+        q = _packed(self.q_proj, x, rows).view(batch, num_new, self.num_heads, self.head_dim)
+        k = _packed(self.k_proj, x, rows).view(batch, num_new, self.num_kv_heads, self.head_dim)
+        v = _packed(self.v_proj, x, rows).view(batch, num_new, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
@@ -70,7 +70,33 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         keys, values = cache.write(layer_slot, k, v)  # [B, H_kv, S, D]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [B, heads, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))
+        return _packed(self.o_proj, out.transpose(1, 2).reshape(batch, num_new, -1), rows)
+
+
+class PackedRows:
+    """The real (non-padding) token rows of a [B, T] batch whose rows carry different numbers of
+    draft tokens. Linear layers run on just these N rows — their cost grows with rows on a CPU —
+    and scatter back; padding rows get zeros (they are masked out and their outputs dropped).
+    Attention still runs on the padded layout (per-row caches)."""
+
+    def __init__(self, token_valid: torch.Tensor):
+        self.shape = tuple(token_valid.shape)  # (B, T)
+        self.index = token_valid.reshape(-1).nonzero().squeeze(1)  # [N] flat row ids
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, x.shape[-1]).index_select(0, self.index)  # [N, H]
+
+    def scatter(self, y: torch.Tensor) -> torch.Tensor:
+        out = y.new_zeros(self.shape[0] * self.shape[1], y.shape[-1])
+        out.index_copy_(0, self.index, y)
+        return out.view(*self.shape, y.shape[-1])  # [B, T, H_out]
+
+
+def _packed(layer, x: torch.Tensor, rows: PackedRows | None) -> torch.Tensor:
+    """layer(x) over x [B, T, H]; with `rows`, only the real token rows are computed."""
+    if rows is None:
+        return layer(x)
+    return rows.scatter(layer(rows.gather(x)))
 
 
 class MLP(nn.Module):
@@ -81,7 +107,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
-    def forward(self, x):
+    def forward(self, x, rows: PackedRows | None = None):
+        if rows is not None:  # the MLP is per token: run it on the real rows only
+            return rows.scatter(self.forward(rows.gather(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -93,9 +121,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache, layer_slot, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer_slot, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, cache, layer_slot, mask, rows: PackedRows | None = None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer_slot, mask, rows)
+        return x + self.mlp(self.post_attention_layernorm(x), rows)
 
 
 class Backbone(nn.Module):
@@ -138,11 +166,14 @@ class LlamaModel(nn.Module):
         hidden_layers: Sequence[int] = (),
         layer_ids: Sequence[int] | None = None,
         compute_logits: bool = True,
+        token_valid: torch.Tensor | None = None,
     ):
         """tokens / positions [B, T]; attn_mask [B, T, T] among new tokens or None (causal).
 
         `layer_ids` runs only a subset of blocks (layer-skip self-drafting); the cache then has
-        one slot per listed block. Returns (logits [B, T, V] float32 or None, {layer: hidden [B, T, H]}).
+        one slot per listed block. `token_valid [B, T]` (bool) marks real tokens in a padded
+        batch: linear layers and the LM head skip the others, whose logits/hiddens are zeros.
+        Returns (logits [B, T, V] float32 or None, {layer: hidden [B, T, H]}).
         """
         batch, num_new = tokens.shape
         cache.check_room(num_new)
@@ -155,15 +186,16 @@ class LlamaModel(nn.Module):
         wanted = set(hidden_layers)
         hiddens = {0: x} if 0 in wanted else {}
         block_ids = range(len(self.model.layers)) if layer_ids is None else layer_ids
+        rows = PackedRows(token_valid) if token_valid is not None and not bool(token_valid.all()) else None
         for slot, layer in enumerate(block_ids):
-            x = self.model.layers[layer](x, cos, sin, cache, slot, mask)
+            x = self.model.layers[layer](x, cos, sin, cache, slot, mask, rows)
             if layer + 1 in wanted and layer + 1 != self.config.num_hidden_layers:
                 hiddens[layer + 1] = x
         cache.advance(num_new)
         x = self.model.norm(x)
         if self.config.num_hidden_layers in wanted:
             hiddens[self.config.num_hidden_layers] = x
-        logits = self.lm_head(x).float() if compute_logits else None  # [B, T, V]
+        logits = _packed(self.lm_head, x, rows).float() if compute_logits else None  # [B, T, V]
         return logits, hiddens
 
 
@@ -208,8 +240,10 @@ class NativeTarget(Target):
             num_layers or self.num_layers, batch_size, self.num_kv_heads, self.head_dim, max_len, self.dtype, self.device
         )
 
-    def forward(self, tokens, positions, cache, attn_mask=None, hidden_layers=(), layer_ids=None):
-        return self.model(tokens, positions, cache, attn_mask, hidden_layers, layer_ids)
+    skips_padding = True  # forward(..., token_valid=) computes only the real tokens' rows
+
+    def forward(self, tokens, positions, cache, attn_mask=None, hidden_layers=(), layer_ids=None, token_valid=None):
+        return self.model(tokens, positions, cache, attn_mask, hidden_layers, layer_ids, token_valid=token_valid)
 
 
 def load_native(

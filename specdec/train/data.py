@@ -165,17 +165,22 @@ def estimate_bytes(prompt_lengths: list[int], settings: DataSettings, hidden_siz
     return max_tokens * (2 * hidden_size * len(settings.layers) + 4)
 
 
-def _answer_sample(target, prompt_ids: list[int], decoding: SamplingParams, settings: DataSettings):
-    """The target's own answer, then ONE forward over prompt + answer for the hidden states."""
-    from ..api import generate
+def _answer_shard(target, prompt_ids: list[list[int]], decodings: list[SamplingParams], settings: DataSettings):
+    """The target's own answers for one shard, decoded as ONE batch (each row equals the prompt run
+    alone; batching is what makes self-distillation affordable on a CPU), then one forward per
+    sample over prompt + answer for the hidden states."""
+    from ..api import generate_batch
 
-    answer = generate(target, list(prompt_ids), None, settings.max_new_tokens, decoding).tokens
-    ids = list(prompt_ids) + list(answer)
-    tokens = torch.tensor([ids], dtype=torch.long)  # [1, T]
-    cache = target.new_cache(1, len(ids))
-    with torch.inference_mode():
-        _, hiddens = target.forward(tokens, torch.arange(len(ids))[None], cache, hidden_layers=tuple(settings.layers))
-    return ids, {layer: hiddens[layer][0].to("cpu", torch.float16) for layer in settings.layers}  # {layer: [T, H]}
+    answers = generate_batch(target, [list(ids) for ids in prompt_ids], None, settings.max_new_tokens, decodings)
+    samples = []
+    for ids_of_prompt, answer in zip(prompt_ids, answers):
+        ids = list(ids_of_prompt) + list(answer.tokens)
+        tokens = torch.tensor([ids], dtype=torch.long)  # [1, T]
+        cache = target.new_cache(1, len(ids))
+        with torch.inference_mode():
+            _, hiddens = target.forward(tokens, torch.arange(len(ids))[None], cache, hidden_layers=tuple(settings.layers))
+        samples.append((ids, {layer: hiddens[layer][0].to("cpu", torch.float16) for layer in settings.layers}))  # {layer: [T, H]}
+    return samples
 
 
 def _write_shard(path: Path, samples: list[tuple], prompt_indices: list[int], sampled: list[bool], layers: list[int]) -> dict:
@@ -237,13 +242,11 @@ def build_dataset(
         if stop_after_shards is not None and written >= stop_after_shards:
             break
         indices = list(range(shard * settings.shard_size, min(len(prompts), (shard + 1) * settings.shard_size)))
-        samples, sampled = [], []
-        for index in indices:
-            decoding = settings.decoding_for(index)
-            ids, hidden = _answer_sample(target, prompt_ids[index], decoding, settings)
-            samples.append((ids, hidden, len(prompt_ids[index])))
-            sampled.append(not decoding.greedy)
-            bar.update(1)
+        decodings = [settings.decoding_for(index) for index in indices]
+        answered = _answer_shard(target, [prompt_ids[index] for index in indices], decodings, settings)
+        samples = [(ids, hidden, len(prompt_ids[index])) for (ids, hidden), index in zip(answered, indices)]
+        sampled = [not decoding.greedy for decoding in decodings]
+        bar.update(len(indices))
         manifest["shards"][str(shard)] = _write_shard(out_dir / shard_name(shard), samples, indices, sampled, settings.layers)
         manifest["complete"] = len(manifest["shards"]) == manifest["num_shards"]
         _write_json_atomic(out_dir / MANIFEST_FILE, manifest)

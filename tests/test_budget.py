@@ -1,0 +1,137 @@
+"""AutoBudget decisions around one-off catch-up costs, probes and the population prior.
+
+The cost table is crafted (no timing), the sequences are real RunningSequence objects and the
+drafters are stubs whose catch-up size and cost are set by the test; the loop test at the end
+runs the real small-model drafter on the tiny target.
+"""
+
+import pytest
+
+from specdec.budget import AutoBudget
+from specdec.cost import CostTable
+from specdec.draft import Draft
+from specdec.drafters.base import DraftContext, Drafter
+from specdec.loop import RunningSequence, run
+from specdec.sampling import SamplingParams
+from specdec.stats import SpecStats
+
+# a CPU-like target: T(k) grows slowly for small k, prefill-sized forwards cost ~linearly
+TABLE = CostTable({}, [1, 2, 4, 8, 13, 256], [100.0, 104.0, 110.0, 125.0, 140.0, 1400.0])
+
+
+class StubDrafter(Drafter):
+    """A drafter that only reports costs (the policy never calls propose in these tests)."""
+
+    name = "stub"
+
+    def __init__(self, pending: int, cost_tokens: float, default_budget: int = 4):
+        self.pending, self.cost_tokens, self.default_budget = pending, cost_tokens, default_budget
+
+    def propose(self, ctx, budget):  # pragma: no cover - not used by the policy
+        return Draft.empty()
+
+    def draft_cost_tokens(self) -> float:
+        return self.cost_tokens
+
+    def catch_up_tokens(self, ctx) -> int:
+        return self.pending
+
+
+def make_seq(drafter, prompt_len=10, max_new_tokens=64):
+    ctx = DraftContext(list(range(prompt_len)) + [1], prompt_len, SamplingParams())
+    return RunningSequence(ctx, drafter, SpecStats(), max_new_tokens, ())
+
+
+def expected_saving_ms(policy, seq, budget):
+    """The stated rule, written out: remaining tokens x (plain ms/token - speculative ms/token)."""
+    accept = policy._tracker(seq).probs(budget)
+    expected_tokens, survive = 1.0, 1.0
+    for prob in accept:
+        survive *= prob
+        expected_tokens += survive
+    spec = (budget * seq.drafter.draft_cost_tokens() * TABLE.t(1) + TABLE.t(budget + 1)) / expected_tokens
+    return (seq.max_new_tokens - seq.generated) * (TABLE.t(1) - spec)
+
+
+def test_catch_up_cost_decides_whether_to_start_drafting():
+    policy = AutoBudget(TABLE, max_budget=8)
+    short = make_seq(StubDrafter(pending=2, cost_tokens=0.3))
+    assert policy.plan([short])[0] > 0  # cheap catch-up: the chain chooser's answer stands
+    # find the catch-up length where the one-off cost crosses the expected saving
+    for pending in range(2, 2000):
+        seq = make_seq(StubDrafter(pending=pending, cost_tokens=0.3))
+        budget_without_catch_up = AutoBudget(TABLE, max_budget=8).plan([make_seq(StubDrafter(0, 0.3))])[0]
+        one_off = 0.3 * TABLE.t(pending)
+        pays = one_off < expected_saving_ms(policy, seq, budget_without_catch_up)
+        assert (AutoBudget(TABLE, max_budget=8).plan([seq])[0] > 0) == pays, pending
+        if not pays:
+            break
+    else:
+        pytest.fail("a 2000-token catch-up never stopped paying")
+    assert 20 < pending < 2000  # the crossing is inside the range, not at its edges
+    # fewer tokens left to generate -> less to gain -> a shorter catch-up already does not pay
+    few_left = make_seq(StubDrafter(pending=pending // 4, cost_tokens=0.3), max_new_tokens=8)
+    assert AutoBudget(TABLE, max_budget=8).plan([few_left])[0] == 0
+
+
+def test_probes_back_off_and_skip_expensive_catch_up():
+    policy = AutoBudget(TABLE, max_budget=8, probe_every=4, max_probe_every=16)
+    seq = make_seq(StubDrafter(pending=0, cost_tokens=0.5), max_new_tokens=10_000)
+    probes = []
+    for step in range(120):
+        budget = policy.plan([seq])[0]
+        if budget:
+            probes.append(step)
+        policy.observe(seq, budget, 0)  # every draft is rejected
+    assert probes[0] == 0  # the prior (0.6) says a single-token draft pays; one rejection says no
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == [4, 8] + [16] * (len(gaps) - 2) and len(gaps) >= 6
+    # a probe that would first need an expensive catch-up is not sent
+    idle = make_seq(StubDrafter(pending=500, cost_tokens=0.5), max_new_tokens=10_000)
+    policy._tracker(idle).update(4, 0)
+    for _ in range(10):
+        policy._tracker(idle).update(1, 0)
+    assert sum(policy.plan([idle])[0] for _ in range(100)) == 0
+
+
+def test_population_prior_makes_new_sequences_cautious():
+    fresh = AutoBudget(TABLE, max_budget=8)
+    assert fresh.plan([make_seq(StubDrafter(0, 0.2))])[0] > 0  # default prior 0.6: drafting pays
+    taught = AutoBudget(TABLE, max_budget=8)
+    for _ in range(5):  # earlier requests under this policy: nothing was ever accepted
+        old = make_seq(StubDrafter(0, 0.2))
+        for _ in range(20):
+            taught.observe(old, 3, 0)
+    assert taught.population.probs(1)[0] < 0.2
+    assert taught.plan([make_seq(StubDrafter(0, 0.2))])[0] == 0
+    with pytest.raises(ValueError, match="probe_every"):
+        AutoBudget(TABLE, probe_every=10, max_probe_every=5)
+
+
+def test_small_model_skips_prefill_of_a_long_prompt_and_stays_lossless(tiny_target):
+    """Real loop, real draft model: with a costly draft model and few tokens to go, the draft
+    model never prefills the long prompt; with a short prompt it drafts. Output = plain."""
+    from specdec.drafters import make_drafter
+
+    long_prompt = [(7 * i) % 50 + 3 for i in range(300)]
+    outputs = {}
+    for name, prompt in (("long", long_prompt), ("short", long_prompt[:4])):
+        drafter = make_drafter("small-model", tiny_target, draft_target=tiny_target)
+        drafter._cost_tokens = 0.1  # a draft model a tenth of the target's cost per token
+        table = CostTable({}, [1, 2, 4, 8, 16, 256], [10.0, 10.5, 11.0, 12.0, 14.0, 1000.0])
+        steps = run(tiny_target, [prompt], drafter, 12, budget_policy=AutoBudget(table, max_budget=6))
+        while True:
+            try:
+                next(steps)
+            except StopIteration as finished:
+                outputs[name] = finished.value[0]
+                break
+        plain = run(tiny_target, [prompt], None, 12)
+        while True:
+            try:
+                next(plain)
+            except StopIteration as finished:
+                assert finished.value[0].tokens == outputs[name].tokens
+                break
+    assert outputs["long"].stats.drafted_tokens == 0
+    assert outputs["short"].stats.drafted_tokens > 0
