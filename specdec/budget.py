@@ -49,7 +49,8 @@ class AutoBudget:
     Three things keep a drafter that does not pay from costing much:
     - one-off costs: a drafter with its own model must first feed the committed tokens it has
       not seen (`catch_up_tokens`, e.g. a draft model prefilling a long prompt). Drafting starts
-      only when that cost is below the expected saving over the tokens still to generate;
+      only when that cost is below the expected saving over `payback_fraction` of the tokens
+      still allowed (max_new_tokens is an upper bound: answers often stop early);
     - probes: after `probe_every` plain steps one single-token draft is sent so estimates can
       recover; each probe that is not followed by drafting doubles the interval (up to
       `max_probe_every`), and no probe is sent when its catch-up would cost more than a step;
@@ -59,13 +60,16 @@ class AutoBudget:
     """
 
     def __init__(self, cost: CostTable, max_budget: int = 12, draft_ms_per_token: float = 0.0, probe_every: int = 8,
-                 max_probe_every: int = 64):
+                 max_probe_every: int = 64, payback_fraction: float = 0.5):
         if max_budget < 0:
             raise ValueError(f"max_budget must be >= 0, got {max_budget}")
         if not 1 <= probe_every <= max_probe_every:
             raise ValueError(f"need 1 <= probe_every <= max_probe_every, got {probe_every}, {max_probe_every}")
+        if not 0.0 < payback_fraction <= 1.0:
+            raise ValueError(f"payback_fraction must be in (0, 1], got {payback_fraction}")
         self.cost = cost
         self.limit = max_budget
+        self.payback_fraction = payback_fraction
         self.draft_ms_prior = draft_ms_per_token
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.population = AcceptanceTracker(decay=0.99)  # outcomes of every sequence this policy served
@@ -98,15 +102,16 @@ class AutoBudget:
         return seq.drafter.draft_cost_tokens() * self.cost.t(pending)
 
     def pays_back(self, seq, budget: int, others: int) -> bool:
-        """Whether drafting `budget` nodes now, catch-up included, is expected to save time over
-        the rest of the sequence (max_new_tokens bounds what is left to gain)."""
+        """Whether drafting `budget` nodes now, catch-up included, is expected to save time within
+        `payback_fraction` of the tokens left to max_new_tokens (answers often end early at EOS:
+        a Spec-Bench RAG answer stopped at 18 of 64 tokens, after a 741-token draft prefill)."""
         one_off_ms = self.catch_up_ms(seq)
         if one_off_ms == 0.0:
             return True
         scores = self._tracker(seq).path_scores(budget)
         spec_ms_per_token = (budget * self._draft_ms_per_token(seq) + self.cost.t(others + budget + 1)) / (1 + sum(scores))
         plain_ms_per_token = self.cost.t(others + 1)
-        remaining = seq.max_new_tokens - seq.generated
+        remaining = self.payback_fraction * (seq.max_new_tokens - seq.generated)
         return one_off_ms < remaining * (plain_ms_per_token - spec_ms_per_token)
 
     def max_budget_for(self, drafter) -> int:

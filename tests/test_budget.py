@@ -50,7 +50,7 @@ def expected_saving_ms(policy, seq, budget):
         survive *= prob
         expected_tokens += survive
     spec = (budget * seq.drafter.draft_cost_tokens() * TABLE.t(1) + TABLE.t(budget + 1)) / expected_tokens
-    return (seq.max_new_tokens - seq.generated) * (TABLE.t(1) - spec)
+    return policy.payback_fraction * (seq.max_new_tokens - seq.generated) * (TABLE.t(1) - spec)
 
 
 def test_catch_up_cost_decides_whether_to_start_drafting():
@@ -106,6 +106,8 @@ def test_population_prior_makes_new_sequences_cautious():
     assert taught.plan([make_seq(StubDrafter(0, 0.2))])[0] == 0
     with pytest.raises(ValueError, match="probe_every"):
         AutoBudget(TABLE, probe_every=10, max_probe_every=5)
+    with pytest.raises(ValueError, match="payback_fraction"):
+        AutoBudget(TABLE, payback_fraction=0.0)
 
 
 def test_small_model_skips_prefill_of_a_long_prompt_and_stays_lossless(tiny_target):
