@@ -3,9 +3,10 @@
 Order of work:
     1. load questions (Spec-Bench jsonl) and pick `limit_per_kind` per task kind (or all: --full)
     2. phase 1, the specdec methods (`plain` first: it is the speed baseline AND the reference
-       output), each: build, one untimed warm-up, then every question (both turns for
-       multi-turn questions; turn 2 follows the method's own turn-1 answer, as in Spec-Bench)
-    3. free them, load the transformers copy of the target, phase 2: the peers (`hf-*`)
+       output): build each and run one untimed warm-up, then question by question every method
+       in turn (interleaved, so machine drift hits all alike; both turns for multi-turn
+       questions; turn 2 follows the method's own turn-1 answer, as in Spec-Bench)
+    3. free them, load the transformers copy of the target, phase 2: the peers (`hf-*`), interleaved the same way
     4. greedy runs: every output is compared with plain decoding, question by question and turn
        by turn; a specdec method that differs fails the run (exit code 1), a peer only warns
     5. results.json, results.md and PNG plots in --out; the Markdown table is printed
@@ -211,8 +212,7 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
         config = replace(config, draft_model=DEFAULT_DRAFT_FOR_TARGET.get(config.target if owns_target else str(target.name)))
     run = _Run(config, questions, sampling)
 
-    for spec in [s for s in specs if not entries[s.label].peer]:
-        run.method(spec, entries[spec.label], target)
+    run.methods_on([s for s in specs if not entries[s.label].peer], entries, target)  # plain first: the reference
     model_dir, target_name = getattr(target, "model_dir", None), str(target.name)
     peer_specs = [s for s in specs if entries[s.label].peer]
     if peer_specs:
@@ -227,11 +227,11 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
                 reason = "the target has no HF model directory to load with transformers"
             else:
                 peer_target = HFTarget.from_dir(model_dir, dtype=config.dtype, name=target_name)
-        for spec in peer_specs:
-            if peer_target is None:
+        if peer_target is None:
+            for spec in peer_specs:
                 run.unavailable(spec, entries[spec.label], reason)
-            else:
-                run.method(spec, entries[spec.label], peer_target)
+        else:
+            run.methods_on(peer_specs, entries, peer_target)
         peer_target = None
         gc.collect()
 
@@ -280,12 +280,39 @@ class _Run:
         self.methods.append(dict(label=spec.label, status="n/a", reason=reason, exact=not entry.peer,
                                  peer=entry.peer, description=entry.help.splitlines()[0] if entry.help else ""))
 
-    def method(self, spec: MethodSpec, entry: MethodEntry, target) -> None:
+    def methods_on(self, specs: list[MethodSpec], entries: dict[str, MethodEntry], target) -> None:
+        """Run methods that share one target INTERLEAVED: every method answers question 1, then
+        every method answers question 2, ... so slow drift of a noisy machine (another tenant,
+        thermal state) lands on all methods alike instead of on whichever ran during it."""
+        running: list[tuple[MethodSpec, dict, BenchMethod]] = []
+        try:
+            for spec in specs:
+                built = self._build(spec, entries[spec.label], target)
+                if built is not None:
+                    running.append((spec, *built))
+            total = len(running) * sum(len(q.turns) for q in self.questions)
+            with _progress(self.config.progress, "bench", total) as advance:
+                for question in self.questions:
+                    for spec, record, method in running:
+                        if record["status"] != "ok":
+                            continue
+                        try:
+                            self._question(spec.label, method, target, question, advance)
+                        except Exception as error:  # one broken method must not lose the others' results
+                            self._failed(record, error)
+        finally:
+            for _, _, method in running:
+                method.close()
+            running.clear()
+            gc.collect()
+
+    def _build(self, spec: MethodSpec, entry: MethodEntry, target) -> tuple[dict, BenchMethod] | None:
+        """Build one method and run its untimed warm-up; None when it is unavailable here."""
         try:
             method = entry.build(target, dict(spec.options), self.config)
         except MethodUnavailable as why:
             self.unavailable(spec, entry, str(why))
-            return
+            return None
         record = dict(label=spec.label, status="ok", reason=None, exact=method.exact, peer=entry.peer,
                       description=method.description)
         self.methods.append(record)
@@ -293,17 +320,15 @@ class _Run:
             if self.config.warmup:  # first calls pay for lazy init / allocator growth: not timed
                 first = target.encode_prompt([{"role": "user", "content": self.questions[0].turns[0]}])
                 method.generate(first, min(WARMUP_TOKENS, self.config.max_new_tokens), self.sampling)
-            with _progress(self.config.progress, spec.label, sum(len(q.turns) for q in self.questions)) as advance:
-                for question in self.questions:
-                    self._question(spec.label, method, target, question, advance)
-        except Exception as error:  # one broken method must not lose the others' results (a long run)
-            traceback.print_exc()
-            record.update(status="error", reason=f"{type(error).__name__}: {error}")
-            print(f"ERROR: method {spec.label!r} failed: {record['reason']}", file=sys.stderr)
-        finally:
-            method.close()
-            del method
-            gc.collect()
+        except Exception as error:
+            self._failed(record, error)
+        return record, method
+
+    @staticmethod
+    def _failed(record: dict, error: Exception) -> None:
+        traceback.print_exc()
+        record.update(status="error", reason=f"{type(error).__name__}: {error}")
+        print(f"ERROR: method {record['label']!r} failed: {record['reason']}", file=sys.stderr)
 
     def _question(self, label: str, method: BenchMethod, target, question: Question, advance) -> None:
         messages: list[dict] = []
