@@ -18,7 +18,7 @@ plain() {  # specdec plain decoding vs transformers generate
   $S bench --target qwen2.5-coder-0.5b --methods plain,hf-plain --limit-per-category 1 --max-new-tokens 64 --out runs/plain-qwen05 --no-progress > runs/plain-qwen05.log 2>&1
 }
 bench15() {  # every default method and the transformers peers on the 1.5B target
-  $S bench --target qwen2.5-coder-1.5b --limit-per-category 1 --max-new-tokens 64 --out runs/bench-qwen15 --no-progress > runs/bench-qwen15.log 2>&1
+  $S bench --target qwen2.5-coder-1.5b --methods plain,pld,suffix,lookahead,small-model,layer-skip,hf-plain,hf-assisted,hf-pld --limit-per-category 1 --max-new-tokens 64 --out runs/bench-qwen15 --no-progress > runs/bench-qwen15.log 2>&1
 }
 auto15() {  # the model-based drafters that need the catch-up rule, same setup as bench15
   $S bench --target qwen2.5-coder-1.5b --methods plain,small-model,layer-skip --limit-per-category 1 --max-new-tokens 64 --out runs/auto-qwen15 --no-progress > runs/auto-qwen15.log 2>&1
