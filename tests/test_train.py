@@ -171,6 +171,42 @@ def test_training_loss_falls_below_limit(trained, kind):
     assert len(last["rank_acc"]) == HEAD_SETUPS[kind][0]
 
 
+def test_sampled_vocab_covers_labels_and_scores_like_the_full_head(counter, counter_data):
+    from specdec.train.heads import FrozenTargetParts
+    from specdec.train.trainer import SampledVocab
+
+    _, samples = load_samples(counter_data, [counter.num_layers], counter)
+    vocab = SampledVocab.from_samples(samples, counter.vocab_size, negatives=2)
+    answer_tokens = torch.cat([s.tokens[s.num_prompt_tokens:] for s in samples])
+    assert set(vocab.label_ids.tolist()) == set(answer_tokens.tolist())
+    parts = FrozenTargetParts.from_target(counter).to(dtype=torch.float32)
+    features = torch.randn(5, counter.hidden_size)
+    labels = answer_tokens[:5]
+    generator = torch.Generator().manual_seed(0)
+    sub_parts, local = vocab.draw(parts, labels, generator)
+    ids = torch.cat([vocab.label_ids, vocab.others[torch.randperm(vocab.others.numel(), generator=torch.Generator().manual_seed(0))[:2]]])
+    assert sub_parts.lm_head_weight.shape[0] == vocab.label_ids.numel() + 2
+    assert not set(ids[vocab.label_ids.numel():].tolist()) & set(vocab.label_ids.tolist())  # negatives are not labels
+    full, sub = parts.lm_head(features), sub_parts.lm_head(features)  # [5, V], [5, V']
+    assert torch.allclose(sub, full[:, ids])
+    assert torch.equal(ids[local], labels)  # remapped labels point at the same tokens
+    with pytest.raises(ValueError, match="missing"):
+        vocab.draw(parts, torch.tensor([vocab.others[0]]), generator)
+
+
+def test_training_with_a_sampled_softmax_learns_too(counter, counter_data, tmp_path):
+    heads = build_heads("medusa", counter, 3)
+    _, samples = load_samples(counter_data, [heads.input_layer], counter)
+    settings = TrainSettings(steps=150, lr=3e-3, batch_size=4, loss_rows=256, warmup_steps=10, eval_every=150,
+                             softmax_negatives=2)
+    result = train(heads, counter, samples, tmp_path / "ckpt", settings, target_description(counter), progress=False,
+                   log=lambda _: None)
+    last = result.history["eval"][-1]  # evaluated over the FULL vocabulary
+    assert last["loss"] < LOSS_LIMIT and last["top1"][0] > AGREEMENT_LIMIT, last
+    with pytest.raises(ValueError, match="softmax_negatives"):
+        TrainSettings(steps=1, softmax_negatives=-1).validate()
+
+
 def test_trainer_resume_continues_exactly(counter, counter_data, tmp_path):
     heads_layer = counter.num_layers
     _, samples = load_samples(counter_data, [heads_layer], counter)

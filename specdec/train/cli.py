@@ -58,6 +58,9 @@ def _add_common_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default on CPU: 8 Medusa, 2 MTP; 16 on CUDA)")
     parser.add_argument("--loss-rows", type=int, default=None,
                         help="(head, token) rows through the LM head per step (default: 256 on CPU, 2048 on CUDA)")
+    parser.add_argument("--softmax-negatives", type=int, default=0, metavar="N",
+                        help="sampled softmax: normalise the loss over the data's label tokens + N random other ids "
+                             "per step (much cheaper steps on CPU; 0 = full vocabulary; eval always uses the full one)")
     parser.add_argument("--max-seq-len", type=int, default=512, help="longer samples are cropped to a random window")
     parser.add_argument("--warmup-steps", type=int, default=20)
     parser.add_argument("--head-decay", type=float, default=0.8, help="loss weight of head k is decay^(k-1)")
@@ -150,7 +153,7 @@ def run_heads_training(args) -> int:
         batch_size=args.batch_size or (DEFAULT_BATCH_CUDA if device.startswith("cuda") else DEFAULT_BATCH_CPU[kind]),
         warmup_steps=args.warmup_steps, dtype=dtype, max_seq_len=args.max_seq_len,
         loss_rows=args.loss_rows or (DEFAULT_LOSS_ROWS_CUDA if device.startswith("cuda") else DEFAULT_LOSS_ROWS_CPU),
-        head_decay=args.head_decay, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed, device=device,
+        head_decay=args.head_decay, softmax_negatives=args.softmax_negatives, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed, device=device,
     )
     data_info = {"dir": str(Path(args.data).resolve()), "samples": len(samples), "sources": manifest["sources"],
                  "generated_text_licence": manifest["generated_text_licence"]}

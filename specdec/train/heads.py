@@ -80,6 +80,11 @@ class FrozenTargetParts:
         eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None) or 1e-6
         return cls(embed.weight.detach(), lm_head.weight.detach(), norm.weight.detach(), float(eps))
 
+    def with_lm_rows(self, token_ids: torch.Tensor) -> FrozenTargetParts:
+        """The same parts with an LM head over `token_ids` only (logits [..., len(token_ids)])."""
+        return FrozenTargetParts(self.embed_weight, self.lm_head_weight.index_select(0, token_ids), self.final_norm_weight,
+                                 self.norm_eps)
+
     def to(self, device=None, dtype=None) -> FrozenTargetParts:
         move = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
         return FrozenTargetParts(move(self.embed_weight), move(self.lm_head_weight), move(self.final_norm_weight), self.norm_eps)

@@ -50,6 +50,9 @@ class TrainSettings:
     dtype: str = "fp32"  # "fp32" | "bf16" (autocast; master weights stay fp32)
     max_seq_len: int = 512
     loss_rows: int = 1024  # (head position, token) rows through the LM head per step
+    # sampled softmax: 0 = the loss normalises over the whole vocabulary; N > 0 = over every token
+    # that is a label in the training data plus N other ids drawn fresh each step (see SampledVocab)
+    softmax_negatives: int = 0
     head_decay: float = 0.8
     eval_fraction: float = 0.1
     eval_rows: int = 4096
@@ -67,6 +70,8 @@ class TrainSettings:
             raise ValueError(f"minutes must be > 0, got {self.minutes!r}")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
+        if isinstance(self.softmax_negatives, bool) or not isinstance(self.softmax_negatives, int) or self.softmax_negatives < 0:
+            raise ValueError(f"softmax_negatives must be an integer >= 0, got {self.softmax_negatives!r}")
         for name in ("batch_size", "max_seq_len", "loss_rows", "eval_rows", "eval_every", "save_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -132,15 +137,53 @@ def label_rows(batch: Batch, num_positions: int) -> tuple[torch.Tensor, torch.Te
     return rows, labels
 
 
+class SampledVocab:
+    """A sampled softmax for the training loss (evaluation always uses the full vocabulary).
+
+    On CPU the [rows, V] LM-head product dominates a step (V = 151936 for Qwen). The target's
+    answers use a few thousand distinct tokens, so the loss normalises over every token that is
+    a label anywhere in the training data plus `negatives` other ids drawn fresh each step —
+    those keep the logits of never-seen tokens from drifting up unpenalised. The same idea as
+    EAGLE-3's reduced draft vocabulary, used here only to make training steps cheaper: the
+    trained heads still score the full vocabulary when they draft.
+    """
+
+    def __init__(self, label_ids: torch.Tensor, vocab_size: int, negatives: int):
+        self.label_ids = torch.unique(label_ids)  # [L] sorted
+        is_label = torch.zeros(vocab_size, dtype=torch.bool)
+        is_label[self.label_ids] = True
+        self.others = (~is_label).nonzero().squeeze(1)  # [V - L]
+        self.negatives = min(negatives, self.others.numel())
+        self.vocab_size = vocab_size
+
+    @classmethod
+    def from_samples(cls, samples: list[Sample], vocab_size: int, negatives: int) -> SampledVocab:
+        answers = [s.tokens[s.num_prompt_tokens :] for s in samples]
+        return cls(torch.cat(answers) if answers else torch.zeros(0, dtype=torch.long), vocab_size, negatives)
+
+    def draw(self, parts: FrozenTargetParts, labels: torch.Tensor, generator: torch.Generator):
+        """(parts with an LM head over this step's ids, labels as indices into those ids)."""
+        pick = torch.randperm(self.others.numel(), generator=generator)[: self.negatives]
+        ids = torch.cat([self.label_ids, self.others[pick]]).to(labels.device)  # [V']
+        index_of = torch.full((self.vocab_size,), -1, dtype=torch.long, device=labels.device)
+        index_of[ids] = torch.arange(ids.numel(), device=labels.device)
+        local = index_of[labels]
+        if bool((local < 0).any()):
+            raise ValueError("a label is missing from the sampled vocabulary (build it from the training samples)")
+        return parts.with_lm_rows(ids), local
+
+
 def heads_loss(heads: DraftHeads, batch: Batch, parts: FrozenTargetParts, max_rows: int, head_decay: float,
-               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               generator: torch.Generator, vocab: SampledVocab | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weighted CE loss, correct [K], counted [K]) on at most `max_rows` random label rows."""
     features = heads(batch.hidden, batch.tokens, batch.positions, parts)  # [K, B, T, H]
     rows, labels = label_rows(batch, heads.num_positions)
     if rows.shape[0] > max_rows:
         pick = torch.randperm(rows.shape[0], generator=generator)[:max_rows].to(rows.device)
         rows, labels = rows[pick], labels[pick]
-    logits = heads.project(features[rows[:, 0], rows[:, 1], rows[:, 2]], parts).float()  # [N, V]
+    if vocab is not None:
+        parts, labels = vocab.draw(parts, labels, generator)
+    logits = heads.project(features[rows[:, 0], rows[:, 1], rows[:, 2]], parts).float()  # [N, V] (or [N, V'])
     per_row = F.cross_entropy(logits, labels, reduction="none")  # [N]
     num_positions = heads.num_positions
     counted = torch.bincount(rows[:, 0], minlength=num_positions).float()  # [K]
@@ -237,6 +280,9 @@ def train(
     parts = FrozenTargetParts.from_target(target).to(device, torch.float32)
     heads.to(device=device, dtype=torch.float32).train()
     train_samples, eval_samples = split_samples(samples, settings.eval_fraction)
+    vocab = None
+    if settings.softmax_negatives:
+        vocab = SampledVocab.from_samples(train_samples, parts.lm_head_weight.shape[0], settings.softmax_negatives)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay)
     step, elapsed_before, history = 0, 0.0, {"train": [], "eval": []}
     state_path = out_dir / STATE_FILE
@@ -279,7 +325,7 @@ def train(
             picks = torch.randint(0, len(train_samples), (settings.batch_size,), generator=generator).tolist()
             batch = make_batch([train_samples[i] for i in picks], heads.input_layer, settings.max_seq_len, generator, device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.dtype == "bf16"):
-                loss, correct, counted = heads_loss(heads, batch, parts, settings.loss_rows, settings.head_decay, generator)
+                loss, correct, counted = heads_loss(heads, batch, parts, settings.loss_rows, settings.head_decay, generator, vocab)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(heads.parameters(), settings.grad_clip)
