@@ -116,9 +116,7 @@ class SpecBatch:
             width = int(lengths.max())
             tokens = torch.tensor([list(p) + [p[-1]] * (width - len(p)) for p in prompts])  # [b, T]
             positions = torch.arange(width).expand(len(new), -1)  # [b, T]
-            extra = {}
-            if getattr(self.target, "skips_padding", False) and len(new) > 1:
-                extra["token_valid"] = torch.arange(width)[None, :] < lengths[:, None]  # [b, T]
+            extra = _skip_padding(self.target, lengths, width)
             logits, hiddens = self.target.forward(tokens, positions, rows, hidden_layers=self.hidden_layers, **extra)
             rows.truncate(lengths)  # drop the padding slots
         for row, seq in enumerate(new):
@@ -155,9 +153,7 @@ class SpecBatch:
             tokens, positions, mask = _batch_inputs(seqs, drafts, starts, width)
             # 4. the one target forward (rows with shorter drafts are padded; a target that can
             # skips the padding's compute, so the cost follows the real token count)
-            extra = {}
-            if getattr(self.target, "skips_padding", False) and len(seqs) > 1:
-                extra["token_valid"] = torch.arange(width)[None, :] <= torch.tensor([len(d) for d in drafts])[:, None]
+            extra = _skip_padding(self.target, torch.tensor([1 + len(d) for d in drafts]), width)
             logits, hiddens = self.target.forward(tokens, positions, rows, attn_mask=mask, hidden_layers=self.hidden_layers,
                                                   **extra)
             # 5. verification per row
@@ -197,6 +193,14 @@ class SpecBatch:
     def _drop_finished(self) -> None:
         for seq in [s for s in self.seqs if s.done]:
             self.remove(seq)
+
+
+def _skip_padding(target, real_lengths: torch.Tensor, width: int) -> dict:
+    """forward() kwargs marking each row's first real_lengths[i] of `width` tokens as real, for
+    targets that skip padding compute (rows of one batch are padded to the longest)."""
+    if not getattr(target, "skips_padding", False) or len(real_lengths) < 2:
+        return {}
+    return {"token_valid": torch.arange(width)[None, :] < real_lengths[:, None]}  # [B, T]
 
 
 def _as_stop_tuple(stops) -> tuple[str, ...]:
