@@ -178,7 +178,8 @@ def test_sampled_vocab_covers_labels_and_scores_like_the_full_head(counter, coun
     _, samples = load_samples(counter_data, [counter.num_layers], counter)
     vocab = SampledVocab.from_samples(samples, counter.vocab_size, negatives=2)
     answer_tokens = torch.cat([s.tokens[s.num_prompt_tokens:] for s in samples])
-    assert set(vocab.label_ids.tolist()) == set(answer_tokens.tolist())
+    assert set(vocab.label_ids.tolist()) == set(torch.cat([s.target_next for s in samples]).tolist())
+    assert set(answer_tokens.tolist()) <= set(vocab.label_ids.tolist())  # greedy answers: every answer token is a label
     parts = FrozenTargetParts.from_target(counter).to(dtype=torch.float32)
     features = torch.randn(5, counter.hidden_size)
     labels = answer_tokens[:5]
@@ -205,6 +206,84 @@ def test_training_with_a_sampled_softmax_learns_too(counter, counter_data, tmp_p
     assert last["loss"] < LOSS_LIMIT and last["top1"][0] > AGREEMENT_LIMIT, last
     with pytest.raises(ValueError, match="softmax_negatives"):
         TrainSettings(steps=1, softmax_negatives=-1).validate()
+
+
+def test_data_stores_the_targets_top1_and_old_shards_are_upgraded(counter, counter_data, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    _, samples = load_samples(counter_data, [counter.num_layers], counter)
+    sample = samples[0]
+    logits, _ = counter.forward(sample.tokens[None], torch.arange(len(sample.tokens))[None], counter.new_cache(1, len(sample.tokens)))
+    assert torch.equal(sample.target_next, logits[0].argmax(-1))
+    # greedy answers: token t + 1 of the answer is the target's top-1 after t
+    start = sample.num_prompt_tokens
+    assert torch.equal(sample.target_next[start - 1 : -1], sample.tokens[start:])
+    # a shard written before target_next existed: derived once from the top layer, written back
+    old = tmp_path / "old"
+    shutil.copytree(counter_data, old)
+    shard = old / "shard-00000.safetensors"
+    tensors = load_file(str(shard))
+    save_file({k: v for k, v in tensors.items() if k != "target_next"}, str(shard))
+    with pytest.raises(ValueError, match="no target given"):
+        load_samples(old, [counter.num_layers])
+    _, upgraded = load_samples(old, [counter.num_layers], counter)
+    assert all(torch.equal(a.target_next, b.target_next) for a, b in zip(upgraded, samples))
+    assert "target_next" in load_file(str(shard))
+
+
+def test_label_rows_use_the_targets_choice_and_prompt_rows_widen_them():
+    from specdec.train.trainer import Batch, label_rows
+
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 0]])  # one row: 5 tokens (prompt 5, 6, 7) + padding
+    target_next = torch.tensor([[16, 17, 18, 19, 20, 0]])  # the target's top-1 after each position
+    batch = Batch(tokens, torch.zeros(1, 6, 4), torch.arange(6)[None], torch.tensor([5]), torch.tensor([3]), target_next)
+    rows, labels = label_rows(batch, num_positions=2)
+    # head k at t labels position t + k + 1 in [3, 5): k=1: t=1,2; k=2: t=0,1 -> label target_next[t + k]
+    assert rows.tolist() == [[0, 0, 1], [0, 0, 2], [1, 0, 0], [1, 0, 1]]
+    assert labels.tolist() == [18, 19, 18, 19]
+    rows, labels = label_rows(batch, num_positions=1, prompt_rows=True)  # label position 2 (a prompt token) too
+    assert rows[:, 2].tolist() == [0, 1, 2] and labels.tolist() == [17, 18, 19]
+
+
+def test_feature_loss_is_smooth_l1_to_the_targets_top_hidden(counter, counter_data):
+    import torch.nn.functional as F
+
+    from specdec.train.heads import FrozenTargetParts
+    from specdec.train.trainer import heads_loss, label_rows, make_batch
+
+    heads = build_heads("medusa", counter, 1)
+    torch.nn.init.normal_(heads.heads[0][0].weight, std=0.1)
+    layers = [counter.num_layers]
+    _, samples = load_samples(counter_data, layers, counter)
+    parts = FrozenTargetParts.from_target(counter).to(dtype=torch.float32)
+    batch = make_batch(samples[:2], counter.num_layers, 512, torch.Generator().manual_seed(0), torch.device("cpu"),
+                       top_layer=counter.num_layers)
+    plain = TrainSettings(steps=1, loss_rows=10_000, head_decay=1.0)
+    with_features = TrainSettings(steps=1, loss_rows=10_000, head_decay=1.0, feature_weight=0.5)
+    token_loss, _, _ = heads_loss(heads, batch, parts, plain, torch.Generator())
+    both, _, _ = heads_loss(heads, batch, parts, with_features, torch.Generator())
+    rows, _ = label_rows(batch, 1)
+    readout = heads(batch.hidden)[rows[:, 0], rows[:, 1], rows[:, 2]]
+    wanted = batch.top_hidden[rows[:, 1], rows[:, 2] + 1]  # head 1 at t: the state at t + 1 produced label t + 2
+    assert torch.allclose(both, token_loss + 0.5 * F.smooth_l1_loss(readout, wanted), atol=1e-5)
+    batch.top_hidden = None
+    with pytest.raises(ValueError, match="top-layer"):
+        heads_loss(heads, batch, parts, with_features, torch.Generator())
+    with pytest.raises(ValueError, match="feature_weight"):
+        TrainSettings(steps=1, feature_weight=-1.0).validate()
+
+
+def test_training_with_the_feature_loss_learns_too(counter, counter_data, tmp_path):
+    heads = build_heads("mtp-sequential", counter, 2)
+    _, samples = load_samples(counter_data, [counter.num_layers], counter)
+    settings = TrainSettings(steps=150, lr=1e-3, batch_size=4, loss_rows=256, warmup_steps=10, eval_every=150,
+                             feature_weight=1.0)
+    result = train(heads, counter, samples, tmp_path / "ckpt", settings, target_description(counter), progress=False,
+                   log=lambda _: None)
+    last = result.history["eval"][-1]
+    assert last["loss"] < LOSS_LIMIT and last["top1"][0] > AGREEMENT_LIMIT, last
 
 
 def test_trainer_resume_continues_exactly(counter, counter_data, tmp_path):
@@ -334,12 +413,13 @@ def _exact_token_marginals(target, prompt: list[int]) -> tuple[torch.Tensor, tor
     return marginal2, marginal3
 
 
-@pytest.mark.parametrize("kind", ["mtp-sequential", "mtp-parallel"])
-def test_sampled_mtp_drafts_keep_the_target_distribution(counter, trained, kind):
-    """Temperature 1: drafts are SAMPLED from the heads (draft_probs = q); outputs must follow the target."""
+@pytest.mark.parametrize("kind,draft_vocab", [("mtp-sequential", 0), ("mtp-parallel", 0), ("mtp-sequential", 12)])
+def test_sampled_mtp_drafts_keep_the_target_distribution(counter, trained, kind, draft_vocab):
+    """Temperature 1: drafts are SAMPLED from the heads (draft_probs = q); outputs must follow the target.
+    With a reduced draft vocabulary q is zero outside it: still exactly the target's distribution."""
     from specdec.api import generate_batch
 
-    drafter = drafter_for(kind, counter, checkpoint=trained[kind][0], gamma=2)
+    drafter = drafter_for(kind, counter, checkpoint=trained[kind][0], gamma=2, draft_vocab=draft_vocab)
     prompt, runs = [5, 6, 7, 8], 1500
     # token 1 comes from the prefill, tokens 2-3 from ONE step: 2 sampled draft tokens + verification
     results = generate_batch(counter, [prompt] * runs, drafter, max_new_tokens=4,
@@ -357,6 +437,33 @@ def test_sampled_mtp_drafts_keep_the_target_distribution(counter, trained, kind)
         obs = torch.cat([observed[big], observed[~big].sum()[None]]) if rare > 0 else observed[big]
         exp = torch.cat([expected[big], rare[None]]) if rare > 0 else expected[big]
         assert chisquare(obs.numpy(), exp.numpy() * float(obs.sum()) / float(exp.sum())).pvalue > 1e-3, (position, obs, exp)
+
+
+@pytest.mark.parametrize("kind", list(HEAD_SETUPS))
+def test_reduced_draft_vocabulary_limits_proposals_and_stays_lossless(counter, trained, counter_data, kind):
+    checkpoint = trained[kind][0]
+    ranking = json.loads((checkpoint / "config.json").read_text())["draft_vocab"]
+    _, samples = load_samples(counter_data, [counter.num_layers], counter)
+    answer_labels = torch.cat([s.target_next[s.num_prompt_tokens - 1 : -1] for s in samples])
+    assert set(ranking["ids"]) <= set(answer_labels.tolist())  # ranked from the (training) labels
+    counts = [int((answer_labels == token).sum()) for token in ranking["ids"]]
+    assert len(ranking["ids"]) >= 15 and abs(counts[0] - max(counts)) <= 0.1 * max(counts)  # most frequent first
+    assert ranking["heldout_coverage"][str(len(ranking["ids"]))] > 0.9
+    options = {"tree": True} if kind == "mtp-parallel" else {}
+    small = drafter_for(kind, counter, checkpoint=checkpoint, draft_vocab=6, **options)
+    allowed = set(ranking["ids"][:6])
+    proposed = set()
+    for prompt in ([5, 6, 7, 8], [20, 21], [13, 3, 22, 9]):
+        draft = _proposal(small, counter, prompt, 4)
+        proposed |= set(draft.tokens.tolist())
+        plain = generate(counter, prompt, max_new_tokens=30)
+        assert generate(counter, prompt, small, max_new_tokens=30).tokens == plain.tokens
+    assert proposed and proposed <= allowed
+    full = drafter_for(kind, counter, checkpoint=checkpoint, draft_vocab=0, **options)
+    assert full.vocab.ids is None and small.vocab.rows == 6
+    assert small.draft_cost_tokens() < full.draft_cost_tokens()
+    with pytest.raises(ValueError, match="draft_vocab"):
+        drafter_for(kind, counter, checkpoint=checkpoint, draft_vocab=-1)
 
 
 def test_wrong_target_checkpoint_is_rejected(counter, trained, counter_data, tmp_path):

@@ -26,11 +26,12 @@ from collections.abc import Sequence
 import torch
 
 from ..draft import Draft, TreeTemplate, tree_template_from_choices
-from ..train.heads import FrozenTargetParts, MedusaHeads, load_checkpoint
+from ..train.heads import DraftVocab, FrozenTargetParts, MedusaHeads, load_checkpoint
 from .base import DraftContext, Drafter, register_drafter
 
 DEFAULT_TREE_NODES = 16
 MAX_TREE_NODES = 256
+DEFAULT_DRAFT_VOCAB = 8192  # most frequent training labels whose LM-head rows drafting computes (0 = all)
 
 
 def prior_rank_acc(num_positions: int, num_ranks: int = 10) -> list[list[float]]:
@@ -104,29 +105,39 @@ class ChoiceTree:
         return self._templates[budget]
 
 
+def top_candidates(template: TreeTemplate, logits: torch.Tensor, vocab: DraftVocab) -> list[list[int]]:
+    """logits [D, V'] over the draft vocabulary -> per depth the token ids the template's ranks need."""
+    return [vocab.tokens(logits[depth].topk(k).indices) for depth, k in enumerate(template.topk_per_depth)]
+
+
 def draft_from_candidates(template: TreeTemplate, candidates: list[list[int]]) -> Draft:
     """Node i takes candidates[depth_i - 1][rank_i]; a deterministic proposal (draft_probs None)."""
     tokens = [candidates[depth - 1][rank] for depth, rank in zip(template.depths, template.ranks)]
     return Draft(torch.tensor(tokens, dtype=torch.long), template.parents_tensor(), None)
 
 
-def build_choice_tree(num_positions: int, rank_acc, choices, tree_nodes: int) -> ChoiceTree:
+def build_choice_tree(num_positions: int, rank_acc, choices, tree_nodes: int, num_candidates: int) -> ChoiceTree:
+    """The drafter's tree; paths needing a rank >= num_candidates (the draft vocabulary's size) are
+    dropped (a path's prefixes use the same ranks, so the rest stays a tree)."""
     if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or not 1 <= tree_nodes <= MAX_TREE_NODES:
         raise ValueError(f"tree_nodes must be an integer in [1, {MAX_TREE_NODES}], got {tree_nodes!r}")
     if choices is not None:
-        return ChoiceTree(parse_choices(choices), num_positions)
-    rank_acc = rank_acc or prior_rank_acc(num_positions)
-    return ChoiceTree(best_first_choices(rank_acc[:num_positions], tree_nodes), num_positions)
+        paths = parse_choices(choices)
+    else:
+        rank_acc = rank_acc or prior_rank_acc(num_positions)
+        paths = best_first_choices([row[:num_candidates] for row in rank_acc[:num_positions]], tree_nodes)
+    return ChoiceTree([path for path in paths if max(path) < num_candidates], num_positions)
 
 
-def heads_cost_tokens(heads, target, weights_shared_by_depths: bool = False) -> float:
+def heads_cost_tokens(heads, target, vocab: DraftVocab, weights_shared_by_depths: bool = False) -> float:
     """Draft cost per proposed token in target-decode units (weights read / target weights).
 
-    One depth reads its head's weights (all of them when one module serves every depth) and the LM head."""
+    One depth reads its head's weights (all of them when one module serves every depth) and the
+    LM-head rows of the draft vocabulary."""
     target_params = sum(p.numel() for p in target.model.parameters())
     head_params = sum(p.numel() for p in heads.parameters())
     per_depth = head_params if weights_shared_by_depths else head_params / heads.num_positions
-    return (per_depth + target.vocab_size * target.hidden_size) / max(1, target_params)
+    return (per_depth + vocab.rows * target.hidden_size) / max(1, target_params)
 
 
 @register_drafter
@@ -136,35 +147,40 @@ class MedusaDrafter(Drafter):
     checkpoint: directory written by `specdec train medusa` (for this very target).
     choices: optional Medusa choice list (JSON); default: best-first from the checkpoint's hit rates.
     tree_nodes: size of the default tree (the node budget per step unless the loop gives another).
+    draft_vocab: propose only the checkpoint's N most frequent label tokens (computing just their
+        LM-head rows); 0 = the full vocabulary. Lossless either way.
     """
 
     name = "medusa"
     makes_trees = True
 
-    def __init__(self, target=None, checkpoint: str | None = None, choices: str | None = None, tree_nodes: int = DEFAULT_TREE_NODES):
+    def __init__(self, target=None, checkpoint: str | None = None, choices: str | None = None, tree_nodes: int = DEFAULT_TREE_NODES,
+                 draft_vocab: int = DEFAULT_DRAFT_VOCAB):
         if target is None:
             raise ValueError("the medusa drafter needs the target (its LM head and hidden states)")
         if not checkpoint:
             raise ValueError("the medusa drafter needs checkpoint=DIR: train heads with `specdec train medusa`")
         heads, config = load_checkpoint(checkpoint, target, drafter=self.name)
-        self._setup(target, heads, config.get("eval", {}).get("rank_acc"), choices, tree_nodes)
+        self._setup(target, heads, config, choices, tree_nodes, draft_vocab)
 
     @classmethod
-    def from_heads(cls, target, heads: MedusaHeads, rank_acc=None, choices=None, tree_nodes: int = DEFAULT_TREE_NODES) -> MedusaDrafter:
+    def from_heads(cls, target, heads: MedusaHeads, rank_acc=None, choices=None, tree_nodes: int = DEFAULT_TREE_NODES,
+                   draft_vocab_ids: list[int] | None = None, draft_vocab: int = DEFAULT_DRAFT_VOCAB) -> MedusaDrafter:
         """A drafter around in-memory heads (e.g. right after training), without a checkpoint."""
         drafter = cls.__new__(cls)
-        drafter._setup(target, heads.to(device=target.device, dtype=target.dtype).eval(), rank_acc, choices, tree_nodes)
+        config = {"eval": {"rank_acc": rank_acc}, "draft_vocab": {"ids": draft_vocab_ids}}
+        drafter._setup(target, heads.to(device=target.device, dtype=target.dtype).eval(), config, choices, tree_nodes, draft_vocab)
         return drafter
 
-    def _setup(self, target, heads: MedusaHeads, rank_acc, choices, tree_nodes: int) -> None:
+    def _setup(self, target, heads: MedusaHeads, config: dict, choices, tree_nodes: int, draft_vocab: int) -> None:
         if not isinstance(heads, MedusaHeads):
             raise ValueError(f"the medusa drafter runs Medusa heads, got {type(heads).__name__}")
         self.target, self.heads = target, heads
-        self.parts = FrozenTargetParts.from_target(target)
+        self.vocab = DraftVocab.from_config(FrozenTargetParts.from_target(target), config, draft_vocab)
         self.hidden_layers = (heads.input_layer,)
-        self.tree = build_choice_tree(heads.num_positions, rank_acc, choices, tree_nodes)
+        self.tree = build_choice_tree(heads.num_positions, config.get("eval", {}).get("rank_acc"), choices, tree_nodes, self.vocab.rows)
         self.default_budget = len(self.tree)
-        self._cost_tokens = heads_cost_tokens(heads, target)
+        self._cost_tokens = heads_cost_tokens(heads, target, self.vocab)
         self.last_hidden: torch.Tensor | None = None
 
     def draft_cost_tokens(self) -> float:
@@ -184,6 +200,5 @@ class MedusaDrafter(Drafter):
             return Draft.empty()
         template = self.tree.for_budget(budget)
         features = self.heads(self.last_hidden[None])[: template.max_depth, 0]  # [D, H]
-        logits = self.heads.project(features, self.parts)  # [D, V]
-        candidates = [logits[depth].topk(k).indices.tolist() for depth, k in enumerate(template.topk_per_depth)]
-        return draft_from_candidates(template, candidates)
+        logits = self.heads.project(features, self.vocab.parts)  # [D, V']
+        return draft_from_candidates(template, top_candidates(template, logits, self.vocab))

@@ -31,12 +31,12 @@ import torch
 
 from ..draft import Draft
 from ..sampling import sample_from_probs, warp_logits_to_probs
-from ..train.heads import FrozenTargetParts, MTPParallelHeads, MTPSequentialModule, grow_cache, load_checkpoint
+from ..train.heads import DraftVocab, FrozenTargetParts, MTPParallelHeads, MTPSequentialModule, grow_cache, load_checkpoint
 from .base import DraftContext, Drafter, register_drafter
-from .medusa import DEFAULT_TREE_NODES, build_choice_tree, draft_from_candidates, heads_cost_tokens
+from .medusa import DEFAULT_DRAFT_VOCAB, DEFAULT_TREE_NODES, build_choice_tree, draft_from_candidates, heads_cost_tokens, top_candidates
 
 _CACHE_HEADROOM = 64
-Choose = Callable[[torch.Tensor], tuple[int, torch.Tensor | None]]  # logits [V] -> (token, q row or None)
+Choose = Callable[[torch.Tensor], tuple[int, torch.Tensor | None]]  # draft logits [V'] -> (token id, q row [V] or None)
 
 
 def _new_rows(ctx: DraftContext, layer: int, cached: int) -> tuple[torch.Tensor | None, int]:
@@ -53,8 +53,8 @@ def _new_rows(ctx: DraftContext, layer: int, cached: int) -> tuple[torch.Tensor 
 class _ParallelRunner:
     """Per-sequence state of MTP parallel heads: their KV cache and the newest row's features."""
 
-    def __init__(self, heads: MTPParallelHeads, parts: FrozenTargetParts, target, prompt_len: int):
-        self.heads, self.parts = heads, parts
+    def __init__(self, heads: MTPParallelHeads, vocab: DraftVocab, target, prompt_len: int):
+        self.heads, self.parts = heads, vocab.parts
         self.cache = heads.new_cache(prompt_len + _CACHE_HEADROOM, target.dtype, target.device)
         self.features: torch.Tensor | None = None  # [K, H] head outputs at the newest cached position
 
@@ -71,7 +71,7 @@ class _ParallelRunner:
         return self.features is not None
 
     def logits(self, depth: int) -> torch.Tensor:
-        return self.heads.project(self.features[:depth], self.parts).float()  # [depth, V]
+        return self.heads.project(self.features[:depth], self.parts).float()  # [depth, V'] (draft vocabulary)
 
     def chain(self, ctx: DraftContext, length: int, choose: Choose):
         logits = self.logits(min(length, self.heads.num_positions))
@@ -81,8 +81,9 @@ class _ParallelRunner:
 class _SequentialRunner:
     """Per-sequence state of the chained MTP module: its KV cache and the newest depth-1 output."""
 
-    def __init__(self, heads: MTPSequentialModule, parts: FrozenTargetParts, target, prompt_len: int):
-        self.heads, self.parts = heads, parts
+    def __init__(self, heads: MTPSequentialModule, vocab: DraftVocab, target, prompt_len: int):
+        # embeddings come from the full table (any committed token); logits only over the draft vocabulary
+        self.heads, self.parts = heads, vocab.parts
         self.cache = heads.new_cache(prompt_len + _CACHE_HEADROOM, target.dtype, target.device)
         self.last_output: torch.Tensor | None = None  # [1, 1, H] depth-1 output at the newest cached position
 
@@ -125,29 +126,34 @@ class MTPDrafter(Drafter):
     gamma: chain length (default: the trained head positions / depth; parallel heads cap it at K).
     sample: at temperature > 0, sample drafts from the heads (with draft_probs) instead of argmax.
     tree / choices / tree_nodes: parallel heads only — a Medusa-style static top-k tree.
+    draft_vocab: propose only the checkpoint's N most frequent label tokens (computing just their
+        LM-head rows); 0 = the full vocabulary. Lossless either way.
     """
 
     name = "mtp"
 
     def __init__(self, target=None, checkpoint: str | None = None, gamma: int | None = None, sample: bool = True,
-                 tree: bool = False, choices: str | None = None, tree_nodes: int = DEFAULT_TREE_NODES):
+                 tree: bool = False, choices: str | None = None, tree_nodes: int = DEFAULT_TREE_NODES,
+                 draft_vocab: int = DEFAULT_DRAFT_VOCAB):
         if target is None:
             raise ValueError("the mtp drafter needs the target (its LM head and hidden states)")
         if not checkpoint:
             raise ValueError("the mtp drafter needs checkpoint=DIR: train heads with `specdec train mtp`")
         heads, config = load_checkpoint(checkpoint, target, drafter=self.name)
-        self._setup(target, heads, config.get("eval", {}).get("rank_acc"), gamma, sample, tree, choices, tree_nodes)
+        self._setup(target, heads, config, gamma, sample, tree, choices, tree_nodes, draft_vocab)
 
     @classmethod
     def from_heads(cls, target, heads, rank_acc=None, gamma: int | None = None, sample: bool = True, tree: bool = False,
-                   choices=None, tree_nodes: int = DEFAULT_TREE_NODES) -> MTPDrafter:
+                   choices=None, tree_nodes: int = DEFAULT_TREE_NODES, draft_vocab_ids: list[int] | None = None,
+                   draft_vocab: int = DEFAULT_DRAFT_VOCAB) -> MTPDrafter:
         """A drafter around in-memory heads (e.g. right after training), without a checkpoint."""
         drafter = cls.__new__(cls)
         heads = heads.to(device=target.device, dtype=target.dtype).eval()
-        drafter._setup(target, heads, rank_acc, gamma, sample, tree, choices, tree_nodes)
+        config = {"eval": {"rank_acc": rank_acc}, "draft_vocab": {"ids": draft_vocab_ids}}
+        drafter._setup(target, heads, config, gamma, sample, tree, choices, tree_nodes, draft_vocab)
         return drafter
 
-    def _setup(self, target, heads, rank_acc, gamma, sample, tree, choices, tree_nodes) -> None:
+    def _setup(self, target, heads, config, gamma, sample, tree, choices, tree_nodes, draft_vocab) -> None:
         if type(heads) not in _RUNNERS:
             raise ValueError(f"the mtp drafter runs {[c.kind for c in _RUNNERS]} heads, got {type(heads).__name__}")
         for name, flag in (("sample", sample), ("tree", tree)):
@@ -160,32 +166,34 @@ class MTPDrafter(Drafter):
         if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= limit:
             raise ValueError(f"gamma must be an integer in [1, {limit}] for {heads.kind} heads, got {gamma!r}")
         self.target, self.heads, self.sample = target, heads, sample
-        self.parts = FrozenTargetParts.from_target(target)
+        self.vocab = DraftVocab.from_config(FrozenTargetParts.from_target(target), config, draft_vocab)
         self.hidden_layers = (heads.input_layer,)
-        self.tree = build_choice_tree(heads.num_positions, rank_acc, choices, tree_nodes) if tree else None
+        rank_acc = config.get("eval", {}).get("rank_acc")
+        self.tree = build_choice_tree(heads.num_positions, rank_acc, choices, tree_nodes, self.vocab.rows) if tree else None
         self.makes_trees = tree
         self.default_budget = len(self.tree) if tree else gamma
         self._max_chain = limit
-        self._cost_tokens = heads_cost_tokens(heads, target, weights_shared_by_depths=isinstance(heads, MTPSequentialModule))
+        self._cost_tokens = heads_cost_tokens(heads, target, self.vocab, weights_shared_by_depths=isinstance(heads, MTPSequentialModule))
         self.runner = None
 
     def draft_cost_tokens(self) -> float:
         return self._cost_tokens
 
     def begin(self, prompt_ids, target) -> None:
-        self.runner = _RUNNERS[type(self.heads)](self.heads, self.parts, self.target, len(prompt_ids))
+        self.runner = _RUNNERS[type(self.heads)](self.heads, self.vocab, self.target, len(prompt_ids))
 
     @torch.inference_mode()
     def on_verified(self, result, ctx: DraftContext) -> None:
         self.runner.absorb(ctx)
 
     def _chooser(self, ctx: DraftContext) -> Choose:
+        vocab = self.vocab
         if ctx.sampling.greedy or not self.sample:
-            return lambda logits: (int(logits.argmax()), None)
+            return lambda logits: (vocab.token(logits.argmax()), None)
 
         def sample(logits: torch.Tensor):
-            draft_probs = warp_logits_to_probs(logits, ctx.sampling)  # [V]: q, the same warp as the target
-            return int(sample_from_probs(draft_probs, ctx.generator)), draft_probs
+            draft_probs = warp_logits_to_probs(logits, ctx.sampling)  # [V']: q, the same warp as the target
+            return vocab.token(sample_from_probs(draft_probs, ctx.generator)), vocab.full_probs(draft_probs)  # q over [V]
 
         return sample
 
@@ -195,9 +203,8 @@ class MTPDrafter(Drafter):
             return Draft.empty()
         if self.tree is not None:
             template = self.tree.for_budget(budget)
-            logits = self.runner.logits(template.max_depth)  # [D, V]
-            candidates = [logits[depth].topk(k).indices.tolist() for depth, k in enumerate(template.topk_per_depth)]
-            return draft_from_candidates(template, candidates)
+            logits = self.runner.logits(template.max_depth)  # [D, V']
+            return draft_from_candidates(template, top_candidates(template, logits, self.vocab))
         picks = self.runner.chain(ctx, min(budget, self._max_chain), self._chooser(ctx))
         tokens = torch.tensor([token for token, _ in picks], dtype=torch.long)
         if picks[0][1] is None:

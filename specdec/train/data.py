@@ -9,7 +9,9 @@ On disk (`out_dir/`):
     prompts.jsonl            the prompts (text, source), fixed at the start so a resume uses the same
     shard-00000.safetensors  per shard: tokens int32 [N], offsets int64 [n + 1] (sample i is
                              tokens[offsets[i]:offsets[i + 1]]), prompt_lengths int64 [n],
-                             sampled uint8 [n], prompt_index int64 [n], hidden.<layer> float16 [N, H]
+                             sampled uint8 [n], prompt_index int64 [n], hidden.<layer> float16 [N, H],
+                             target_next int32 [N] (the target's top-1 token after each position:
+                             the label every head type learns, see heads.LABEL_CONVENTION)
     manifest.json            target (name + fingerprint), settings, sources + licences, finished shards
 
 Resumable: every shard and the manifest are written to a temp file and renamed; a rerun with the
@@ -37,6 +39,7 @@ DATA_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 PROMPTS_FILE = "prompts.jsonl"
 HIDDEN_KEY = "hidden.{layer}"
+TARGET_NEXT_KEY = "target_next"
 
 
 def shard_name(index: int) -> str:
@@ -178,29 +181,31 @@ def _answer_shard(target, prompt_ids: list[list[int]], decodings: list[SamplingP
         tokens = torch.tensor([ids], dtype=torch.long)  # [1, T]
         cache = target.new_cache(1, len(ids))
         with torch.inference_mode():
-            _, hiddens = target.forward(tokens, torch.arange(len(ids))[None], cache, hidden_layers=tuple(settings.layers))
-        samples.append((ids, {layer: hiddens[layer][0].to("cpu", torch.float16) for layer in settings.layers}))  # {layer: [T, H]}
+            logits, hiddens = target.forward(tokens, torch.arange(len(ids))[None], cache, hidden_layers=tuple(settings.layers))
+        hidden = {layer: hiddens[layer][0].to("cpu", torch.float16) for layer in settings.layers}  # {layer: [T, H]}
+        samples.append((ids, hidden, logits[0].argmax(-1).cpu()))  # target_next [T]: the target's top-1 after each position
     return samples
 
 
 def _write_shard(path: Path, samples: list[tuple], prompt_indices: list[int], sampled: list[bool], layers: list[int]) -> dict:
     from safetensors.torch import save_file
 
-    lengths = [len(ids) for ids, _, _ in samples]
+    lengths = [len(ids) for ids, _, _, _ in samples]
     offsets = torch.tensor([0] + lengths).cumsum(0)  # [n + 1]
     tensors = {
-        "tokens": torch.tensor([t for ids, _, _ in samples for t in ids], dtype=torch.int32),  # [N]
+        "tokens": torch.tensor([t for ids, _, _, _ in samples for t in ids], dtype=torch.int32),  # [N]
+        TARGET_NEXT_KEY: torch.cat([next_ids for _, _, _, next_ids in samples]).to(torch.int32),  # [N]
         "offsets": offsets,
-        "prompt_lengths": torch.tensor([n for _, _, n in samples], dtype=torch.long),
+        "prompt_lengths": torch.tensor([n for _, _, n, _ in samples], dtype=torch.long),
         "sampled": torch.tensor(sampled, dtype=torch.uint8),
         "prompt_index": torch.tensor(prompt_indices, dtype=torch.long),
     }
     for layer in layers:
-        tensors[HIDDEN_KEY.format(layer=layer)] = torch.cat([hidden[layer] for _, hidden, _ in samples]).contiguous()  # [N, H]
+        tensors[HIDDEN_KEY.format(layer=layer)] = torch.cat([hidden[layer] for _, hidden, _, _ in samples]).contiguous()  # [N, H]
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp))
     tmp.replace(path)
-    answer_tokens = sum(len(ids) - n for ids, _, n in samples)
+    answer_tokens = sum(len(ids) - n for ids, _, n, _ in samples)
     return {"file": path.name, "samples": len(samples), "tokens": int(offsets[-1]), "answer_tokens": answer_tokens,
             "bytes": path.stat().st_size}
 
@@ -244,7 +249,7 @@ def build_dataset(
         indices = list(range(shard * settings.shard_size, min(len(prompts), (shard + 1) * settings.shard_size)))
         decodings = [settings.decoding_for(index) for index in indices]
         answered = _answer_shard(target, [prompt_ids[index] for index in indices], decodings, settings)
-        samples = [(ids, hidden, len(prompt_ids[index])) for (ids, hidden), index in zip(answered, indices)]
+        samples = [(ids, hidden, len(prompt_ids[index]), next_ids) for (ids, hidden, next_ids), index in zip(answered, indices)]
         sampled = [not decoding.greedy for decoding in decodings]
         bar.update(len(indices))
         manifest["shards"][str(shard)] = _write_shard(out_dir / shard_name(shard), samples, indices, sampled, settings.layers)
@@ -261,10 +266,41 @@ class Sample:
     tokens: torch.Tensor  # [T] long: prompt + the target's answer
     hidden: dict[int, torch.Tensor]  # layer -> [T, H] float16
     num_prompt_tokens: int
+    target_next: torch.Tensor  # [T] long: the target's top-1 token after position t (its greedy choice for t + 1)
+
+
+def _target_next_from_hidden(target, top_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """argmax of the target's LM head over stored top-layer rows [N, H] -> [N] (shards written before
+    `target_next` was stored; fp16 rows can flip exact near-ties, which is why new shards store it)."""
+    from .heads import FrozenTargetParts
+
+    parts = FrozenTargetParts.from_target(target).to(dtype=torch.float32)
+    with torch.inference_mode():
+        return torch.cat([parts.lm_head(top_hidden[i : i + chunk].float()).argmax(-1) for i in range(0, top_hidden.shape[0], chunk)])
+
+
+def _upgrade_shard(path: Path, tensors: dict, target, top_layer: int) -> dict:
+    """Add `target_next` to a shard that lacks it (rewritten atomically); needs the target's top layer."""
+    from safetensors.torch import save_file
+
+    key = HIDDEN_KEY.format(layer=top_layer)
+    if target is None or key not in tensors:
+        raise ValueError(
+            f"{path} has no {TARGET_NEXT_KEY!r} labels and they cannot be derived "
+            f"({'no target given' if target is None else f'the shard lacks hidden layer {top_layer}'}); "
+            "regenerate the data with `specdec train data`"
+        )
+    tensors = {**tensors, TARGET_NEXT_KEY: _target_next_from_hidden(target, tensors[key]).to(torch.int32)}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)
+    return tensors
 
 
 def load_samples(directory: str | Path, layers: list[int], target=None) -> tuple[dict, list[Sample]]:
-    """(manifest, samples of every finished shard in prompt order); checks the target when given."""
+    """(manifest, samples of every finished shard in prompt order); checks the target when given.
+
+    Shards written before `target_next` was stored get it added (once) from their top layer."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
@@ -276,13 +312,17 @@ def load_samples(directory: str | Path, layers: list[int], target=None) -> tuple
         raise ValueError(f"data in {directory} has hidden layers {manifest['settings']['layers']}, but these heads need {missing}")
     samples: list[Sample] = []
     for shard in sorted(manifest["shards"], key=int):
-        tensors = load_file(str(directory / manifest["shards"][shard]["file"]))
+        path = directory / manifest["shards"][shard]["file"]
+        tensors = load_file(str(path))
+        if TARGET_NEXT_KEY not in tensors:
+            tensors = _upgrade_shard(path, tensors, target, manifest["target"]["num_layers"])
         offsets = tensors["offsets"].tolist()
         for i, (start, stop) in enumerate(zip(offsets, offsets[1:])):
             samples.append(Sample(
                 tokens=tensors["tokens"][start:stop].long(),
                 hidden={layer: tensors[HIDDEN_KEY.format(layer=layer)][start:stop] for layer in layers},
                 num_prompt_tokens=int(tensors["prompt_lengths"][i]),
+                target_next=tensors[TARGET_NEXT_KEY][start:stop].long(),
             ))
     if not samples:
         raise ValueError(f"data in {directory} has no finished shards yet; run (or resume) `specdec train data`")

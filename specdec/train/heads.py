@@ -99,6 +99,61 @@ class FrozenTargetParts:
         return F.linear(x, self.lm_head_weight)  # [..., V]
 
 
+class DraftVocab:
+    """The tokens a drafter may propose: only their LM-head rows are computed while drafting.
+
+    On small targets the LM head is a large share of the model (Qwen2.5-0.5B: 136M of 494M
+    parameters), so scoring every head position over the full vocabulary costs a quarter of a
+    target forward each. The trainer ranks the tokens that are labels in its data by frequency
+    (checkpoint config "draft_vocab"); a drafter keeps the first `size` of them, EAGLE-3's reduced
+    draft vocabulary. Proposals outside it are simply never made; verification is unchanged, so
+    output stays exactly the target's (a sampled proposal's q is zero outside the draft vocabulary).
+    """
+
+    def __init__(self, parts: FrozenTargetParts, ids: torch.Tensor | None):
+        self.ids = ids  # [V'] long token ids, or None = the full vocabulary
+        self.vocab_size = parts.lm_head_weight.shape[0]
+        self.parts = parts if ids is None else parts.with_lm_rows(ids.to(parts.lm_head_weight.device))
+
+    @classmethod
+    def from_config(cls, parts: FrozenTargetParts, config: dict, size: int | None) -> DraftVocab:
+        """`size` tokens of the checkpoint's ranking (None or 0: the full vocabulary; also when the
+        checkpoint has no ranking)."""
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+            raise ValueError(f"draft_vocab must be an integer >= 0 (0 = the full vocabulary), got {size!r}")
+        ranked = (config.get("draft_vocab") or {}).get("ids")
+        if not size or not ranked or size >= parts.lm_head_weight.shape[0]:
+            return cls(parts, None)
+        return cls(parts, torch.tensor(ranked[:size], dtype=torch.long))
+
+    @property
+    def rows(self) -> int:
+        return self.vocab_size if self.ids is None else int(self.ids.numel())
+
+    def token(self, index: int) -> int:
+        """Index into the draft logits -> token id."""
+        return int(index) if self.ids is None else int(self.ids[index])
+
+    def tokens(self, indices: torch.Tensor) -> list[int]:
+        return indices.tolist() if self.ids is None else self.ids[indices].tolist()
+
+    def full_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """A distribution over the draft vocabulary [V'] -> the same over the whole vocabulary [V]."""
+        if self.ids is None:
+            return probs
+        return torch.zeros(self.vocab_size, dtype=probs.dtype, device=probs.device).index_copy_(0, self.ids.to(probs.device), probs)
+
+
+def rank_label_tokens(samples) -> tuple[list[int], list[int]]:
+    """(token ids that are answer labels in `samples`, most frequent first; their counts)."""
+    labels = [s.target_next[s.num_prompt_tokens - 1 : -1] for s in samples if s.num_prompt_tokens >= 1]
+    if not labels:
+        return [], []
+    ids, counts = torch.unique(torch.cat(labels), return_counts=True)
+    order = torch.argsort(counts, descending=True, stable=True)
+    return ids[order].tolist(), counts[order].tolist()
+
+
 def _block_flags(cfg) -> tuple[bool, bool]:
     """(qk_norm, qkv_bias) exactly as specdec.models.llama.LlamaModel derives them."""
     return cfg.model_type == "qwen3", cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
@@ -176,8 +231,14 @@ class DraftHeads(nn.Module):
     def init_from_target(self, target) -> None:
         """Initialise trainable weights from the target (called once before training from scratch)."""
 
-    def project(self, features: torch.Tensor, parts: FrozenTargetParts) -> torch.Tensor:
+    def readout(self, features: torch.Tensor, parts: FrozenTargetParts) -> torch.Tensor:
+        """The vector the target's LM head reads [..., H]: comparable to the target's own top-layer
+        hidden state (layer num_layers, after the final norm), which the trainer can regress it to."""
         raise NotImplementedError
+
+    def project(self, features: torch.Tensor, parts: FrozenTargetParts) -> torch.Tensor:
+        """features [..., H] -> logits [..., V] through the target's frozen LM head."""
+        return parts.lm_head(self.readout(features, parts))
 
 
 class MedusaHeads(DraftHeads):
@@ -215,8 +276,8 @@ class MedusaHeads(DraftHeads):
             features.append(x)
         return torch.stack(features)  # [K, ..., H]
 
-    def project(self, features, parts):
-        return parts.lm_head(features)
+    def readout(self, features, parts):
+        return features  # the input is already the target's final-normed hidden state
 
 
 class MTPParallelHeads(DraftHeads):
@@ -245,8 +306,8 @@ class MTPParallelHeads(DraftHeads):
         causal = torch.ones(num_new, num_new, dtype=torch.bool, device=hidden.device).tril()[None, None]  # [1, 1, T, T]
         return torch.stack([block(hidden, cos, sin, _KeysOfThisPass(), 0, causal) for block in self.blocks])  # [K, B, T, H]
 
-    def project(self, features, parts):
-        return parts.lm_head(parts.final_norm(features))
+    def readout(self, features, parts):
+        return parts.final_norm(features)
 
     # ---- inference: one KV cache slot per head over the committed positions
     def new_cache(self, max_len: int, dtype: torch.dtype, device) -> KVCache:
@@ -312,8 +373,8 @@ class MTPSequentialModule(DraftHeads):
             features.append(previous)
         return torch.stack(features)  # [D, B, T, H]
 
-    def project(self, features, parts):
-        return parts.lm_head(parts.final_norm(features))
+    def readout(self, features, parts):
+        return parts.final_norm(features)
 
     # ---- inference: one KV slot, committed positions (depth 1) + the draft chain being built
     def new_cache(self, max_len: int, dtype: torch.dtype, device) -> KVCache:

@@ -1,13 +1,18 @@
 """One training loop for every head type (Medusa heads, MTP parallel heads, MTP sequential module).
 
-The target stays frozen; only the head module trains. Targets are the target's own tokens
-(self-distilled data, specdec.train.data): head position k at position t learns token t + k + 1,
-counted only where that token belongs to the target's answer (never a prompt token).
+The target stays frozen; only the head module trains. Labels are the target's own choices
+(self-distilled data, specdec.train.data): head position k at position t learns the target's top-1
+token at t + k + 1 given the data's tokens up to t + k (`target_next[t + k]`; on greedy answers
+that is the answer's own token, on sampled answers and prompts it is what greedy verification
+would accept there). Rows count where that label lies in the answer (or anywhere with
+`prompt_rows`). Optionally (`feature_weight` > 0) the vector the LM head reads is also regressed
+(smooth L1) to the target's own top-layer hidden state at t + k, the state that produced the
+label: a dense target per row, EAGLE's feature loss, which learns more per token of data.
 
 Per step: `batch_size` samples drawn with a generator seeded by (seed, step) (so a resumed run
 sees the same batches), cropped to `max_seq_len`; the head module runs on the whole batch, then
 at most `loss_rows` (head position, token) rows, picked at random, go through the frozen LM head
-(the [rows, V] logits dominate the cost); cross-entropy per head position, weighted by
+(the [rows, V] logits dominate the cost); cross-entropy (+ feature loss) per head position, weighted by
 head_decay^(k - 1) (Medusa's 0.8^k) and averaged. AdamW, linear warmup then cosine decay to
 `min_lr_ratio`, gradient clipping, bf16 autocast or fp32, a time budget, held-out evaluation
 (top-1 agreement with the target's tokens per head position, and rank-r hit rates that the
@@ -29,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import Sample
-from .heads import DraftHeads, FrozenTargetParts, save_checkpoint
+from .heads import DraftHeads, FrozenTargetParts, rank_label_tokens, save_checkpoint
 
 STATE_FILE = "trainer_state.pt"
 HISTORY_FILE = "history.json"
@@ -54,6 +59,10 @@ class TrainSettings:
     # that is a label in the training data plus N other ids drawn fresh each step (see SampledVocab)
     softmax_negatives: int = 0
     head_decay: float = 0.8
+    # weight of the feature loss: smooth L1 between the head's readout and the target's top-layer
+    # hidden state at the label's position (0 = token loss only)
+    feature_weight: float = 0.0
+    prompt_rows: bool = False  # also learn on rows whose label lies in the prompt (eval never does)
     eval_fraction: float = 0.1
     eval_rows: int = 4096
     eval_every: int = 100
@@ -76,6 +85,8 @@ class TrainSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not self.feature_weight >= 0:
+            raise ValueError(f"feature_weight must be >= 0, got {self.feature_weight!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
         if not 0.0 <= self.eval_fraction < 1.0:
@@ -85,10 +96,12 @@ class TrainSettings:
 @dataclass
 class Batch:
     tokens: torch.Tensor  # [B, T] long (0 = padding)
-    hidden: torch.Tensor  # [B, T, H] float32
+    hidden: torch.Tensor  # [B, T, H] float32: the heads' input layer
     positions: torch.Tensor  # [B, T] absolute positions
     lengths: torch.Tensor  # [B] valid tokens per row
-    answer_start: torch.Tensor  # [B] first answer token index in the (cropped) row; labels must be >= it
+    answer_start: torch.Tensor  # [B] first answer token index in the (cropped) row
+    target_next: torch.Tensor  # [B, T] long: the target's top-1 token after each position
+    top_hidden: torch.Tensor | None = None  # [B, T, H] float32: the target's top layer (feature targets)
 
 
 @dataclass
@@ -101,39 +114,51 @@ class TrainResult:
 
 
 # ----------------------------------------------------------------------------- batches and labels
-def make_batch(samples: list[Sample], layer: int, max_seq_len: int, generator: torch.Generator, device) -> Batch:
-    """Right-padded batch; a sample longer than max_seq_len is cropped to a random window."""
+def make_batch(samples: list[Sample], layer: int, max_seq_len: int, generator: torch.Generator, device,
+               top_layer: int | None = None) -> Batch:
+    """Right-padded batch; a sample longer than max_seq_len is cropped to a random window.
+    `top_layer` also fills `top_hidden` (the feature loss's targets)."""
     rows = []
     for sample in samples:
         length = sample.tokens.shape[0]
         start = 0
         if length > max_seq_len:
             start = int(torch.randint(0, length - max_seq_len + 1, (1,), generator=generator))
-        stop = min(length, start + max_seq_len)
-        rows.append((sample.tokens[start:stop], sample.hidden[layer][start:stop], start, sample.num_prompt_tokens - start))
-    width = max(tokens.shape[0] for tokens, _, _, _ in rows)
-    hidden_size = rows[0][1].shape[1]
+        rows.append((sample, start, min(length, start + max_seq_len)))
+    width = max(stop - start for _, start, stop in rows)
+    hidden_size = rows[0][0].hidden[layer].shape[1]
     tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    target_next = torch.zeros(len(rows), width, dtype=torch.long)
     hidden = torch.zeros(len(rows), width, hidden_size)
+    top_hidden = torch.zeros(len(rows), width, hidden_size) if top_layer is not None else None
     positions = torch.zeros(len(rows), width, dtype=torch.long)
-    for row, (row_tokens, row_hidden, start, _) in enumerate(rows):
-        tokens[row, : len(row_tokens)] = row_tokens
-        hidden[row, : len(row_tokens)] = row_hidden.float()
+    for row, (sample, start, stop) in enumerate(rows):
+        tokens[row, : stop - start] = sample.tokens[start:stop]
+        target_next[row, : stop - start] = sample.target_next[start:stop]
+        hidden[row, : stop - start] = sample.hidden[layer][start:stop].float()
+        if top_hidden is not None:
+            top_hidden[row, : stop - start] = sample.hidden[top_layer][start:stop].float()
         positions[row] = torch.arange(start, start + width)
-    lengths = torch.tensor([len(r[0]) for r in rows])
-    answer_start = torch.tensor([r[3] for r in rows])
-    return Batch(tokens.to(device), hidden.to(device), positions.to(device), lengths.to(device), answer_start.to(device))
+    lengths = torch.tensor([stop - start for _, start, stop in rows])
+    answer_start = torch.tensor([sample.num_prompt_tokens - start for sample, start, _ in rows])
+    return Batch(tokens.to(device), hidden.to(device), positions.to(device), lengths.to(device), answer_start.to(device),
+                 target_next.to(device), None if top_hidden is None else top_hidden.to(device))
 
 
-def label_rows(batch: Batch, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows [N, 3] of (head k - 1, b, t), labels [N]) for every valid label token t + k + 1."""
+def label_rows(batch: Batch, num_positions: int, prompt_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [N, 3] of (head k - 1, b, t), labels [N]) for every valid label position t + k + 1.
+
+    The label is target_next[t + k]: the target's top-1 for position t + k + 1 given the tokens
+    up to t + k. Valid where t + k + 1 is a token of the row (and of the answer unless prompt_rows)."""
     width = batch.tokens.shape[1]
     t = torch.arange(width, device=batch.tokens.device)  # [T]
     k = torch.arange(1, num_positions + 1, device=t.device)  # [K]
     label_index = t[None, None, :] + k[:, None, None] + 1  # [K, 1, T]
-    valid = (label_index < batch.lengths[None, :, None]) & (label_index >= batch.answer_start[None, :, None])  # [K, B, T]
+    valid = label_index < batch.lengths[None, :, None]  # [K, B, T]
+    if not prompt_rows:
+        valid &= label_index >= batch.answer_start[None, :, None]
     rows = valid.nonzero()  # [N, 3]
-    labels = batch.tokens[rows[:, 1], (rows[:, 2] + rows[:, 0] + 2).clamp(max=width - 1)]  # [N]
+    labels = batch.target_next[rows[:, 1], rows[:, 2] + rows[:, 0] + 1]  # [N]
     return rows, labels
 
 
@@ -158,8 +183,9 @@ class SampledVocab:
 
     @classmethod
     def from_samples(cls, samples: list[Sample], vocab_size: int, negatives: int) -> SampledVocab:
-        answers = [s.tokens[s.num_prompt_tokens :] for s in samples]
-        return cls(torch.cat(answers) if answers else torch.zeros(0, dtype=torch.long), vocab_size, negatives)
+        """Every label the samples can produce: the target's top-1 at each of their positions."""
+        labels = [s.target_next for s in samples]
+        return cls(torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long), vocab_size, negatives)
 
     def draw(self, parts: FrozenTargetParts, labels: torch.Tensor, generator: torch.Generator):
         """(parts with an LM head over this step's ids, labels as indices into those ids)."""
@@ -173,22 +199,28 @@ class SampledVocab:
         return parts.with_lm_rows(ids), local
 
 
-def heads_loss(heads: DraftHeads, batch: Batch, parts: FrozenTargetParts, max_rows: int, head_decay: float,
+def heads_loss(heads: DraftHeads, batch: Batch, parts: FrozenTargetParts, settings: TrainSettings,
                generator: torch.Generator, vocab: SampledVocab | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weighted CE loss, correct [K], counted [K]) on at most `max_rows` random label rows."""
+    """(weighted loss, correct [K], counted [K]) on at most `settings.loss_rows` random label rows."""
     features = heads(batch.hidden, batch.tokens, batch.positions, parts)  # [K, B, T, H]
-    rows, labels = label_rows(batch, heads.num_positions)
-    if rows.shape[0] > max_rows:
-        pick = torch.randperm(rows.shape[0], generator=generator)[:max_rows].to(rows.device)
+    rows, labels = label_rows(batch, heads.num_positions, settings.prompt_rows)
+    if rows.shape[0] > settings.loss_rows:
+        pick = torch.randperm(rows.shape[0], generator=generator)[: settings.loss_rows].to(rows.device)
         rows, labels = rows[pick], labels[pick]
+    readout = heads.readout(features[rows[:, 0], rows[:, 1], rows[:, 2]], parts)  # [N, H]
     if vocab is not None:
         parts, labels = vocab.draw(parts, labels, generator)
-    logits = heads.project(features[rows[:, 0], rows[:, 1], rows[:, 2]], parts).float()  # [N, V] (or [N, V'])
+    logits = parts.lm_head(readout).float()  # [N, V] (or [N, V'])
     per_row = F.cross_entropy(logits, labels, reduction="none")  # [N]
+    if settings.feature_weight > 0:
+        if batch.top_hidden is None:
+            raise ValueError("the feature loss needs the target's top-layer hidden states in the batch (make_batch top_layer)")
+        wanted = batch.top_hidden[rows[:, 1], rows[:, 2] + rows[:, 0] + 1]  # [N, H]: the state that produced the label
+        per_row = per_row + settings.feature_weight * F.smooth_l1_loss(readout.float(), wanted, reduction="none").mean(-1)
     num_positions = heads.num_positions
     counted = torch.bincount(rows[:, 0], minlength=num_positions).float()  # [K]
     loss_sum = torch.zeros(num_positions, device=logits.device).index_add(0, rows[:, 0], per_row)  # [K]
-    weights = head_decay ** torch.arange(num_positions, device=logits.device, dtype=torch.float32)  # [K]
+    weights = settings.head_decay ** torch.arange(num_positions, device=logits.device, dtype=torch.float32)  # [K]
     present = counted > 0
     loss = (weights * loss_sum / counted.clamp(min=1))[present].sum() / weights[present].sum().clamp(min=1e-9)
     correct = torch.zeros(num_positions, device=logits.device).index_add(0, rows[:, 0], (logits.argmax(-1) == labels).float())
@@ -242,6 +274,22 @@ def lr_factor(step: int, progress: float, settings: TrainSettings) -> float:
     warmup = min(1.0, max((step + 1) / max(1, settings.warmup_steps), progress / WARMUP_FRACTION))
     cosine = settings.min_lr_ratio + (1 - settings.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return warmup * cosine
+
+
+COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384)
+
+
+def draft_vocab_summary(train_samples: list[Sample], eval_samples: list[Sample]) -> dict:
+    """The checkpoint's "draft_vocab": training label tokens by frequency, and the share of held-out
+    labels the first N of them cover (how much a reduced draft vocabulary can miss)."""
+    ids, _ = rank_label_tokens(train_samples)
+    held_out, held_out_counts = rank_label_tokens(eval_samples)
+    rank_of = {token: rank for rank, token in enumerate(ids)}
+    total = max(1, sum(held_out_counts))
+    coverage = {}
+    for size in (*[n for n in COVERAGE_SIZES if n < len(ids)], len(ids)):
+        coverage[str(size)] = sum(c for t, c in zip(held_out, held_out_counts) if rank_of.get(t, size) < size) / total
+    return {"ids": ids, "heldout_coverage": coverage}
 
 
 def split_samples(samples: list[Sample], eval_fraction: float) -> tuple[list[Sample], list[Sample]]:
@@ -301,9 +349,12 @@ def train(
     if not history["eval"]:
         history["eval"].append({"step": step, **evaluate(heads, eval_samples, parts, settings, device)})
 
+    draft_vocab = draft_vocab_summary(train_samples, eval_samples)
+
     def save(final: bool) -> None:
         summary = {"steps": step, "elapsed_s": elapsed_before + (time.perf_counter() - started), "settings": asdict(settings)}
-        save_checkpoint(out_dir, heads, target_info, {**(extra_config or {}), "training": summary, "eval": history["eval"][-1]})
+        save_checkpoint(out_dir, heads, target_info, {**(extra_config or {}), "training": summary, "eval": history["eval"][-1],
+                                                       "draft_vocab": draft_vocab})
         torch.save({"step": step, "heads": heads.state_dict(), "optimizer": optimizer.state_dict(), "history": history,
                     "elapsed_s": summary["elapsed_s"], "head": heads.head_config(),
                     "target_fingerprint": target_info["fingerprint"]}, state_path)
@@ -323,9 +374,10 @@ def train(
                 group["lr"] = settings.lr * lr_factor(step, progress_fraction, settings)
             generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
             picks = torch.randint(0, len(train_samples), (settings.batch_size,), generator=generator).tolist()
-            batch = make_batch([train_samples[i] for i in picks], heads.input_layer, settings.max_seq_len, generator, device)
+            batch = make_batch([train_samples[i] for i in picks], heads.input_layer, settings.max_seq_len, generator, device,
+                               top_layer=target.num_layers if settings.feature_weight > 0 else None)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.dtype == "bf16"):
-                loss, correct, counted = heads_loss(heads, batch, parts, settings.loss_rows, settings.head_decay, generator, vocab)
+                loss, correct, counted = heads_loss(heads, batch, parts, settings, generator, vocab)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(heads.parameters(), settings.grad_clip)
