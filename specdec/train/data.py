@@ -23,6 +23,7 @@ resumed job writes the same shards as an uninterrupted one.
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -291,7 +292,7 @@ def _upgrade_shard(path: Path, tensors: dict, target, top_layer: int) -> dict:
             "regenerate the data with `specdec train data`"
         )
     tensors = {**tensors, TARGET_NEXT_KEY: _target_next_from_hidden(target, tensors[key]).to(torch.int32)}
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two trainers may upgrade one shard at once
     save_file(tensors, str(tmp))
     tmp.replace(path)
     return tensors

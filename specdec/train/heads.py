@@ -22,6 +22,7 @@ Head types (looked up by `kind` in HEAD_TYPES, stored in the checkpoint's config
                       through one transformer block, then the target's final norm + LM head. Depth 1
                       reads the target's last hidden state (layer num_layers); depth d reads the
                       module's own depth d - 1 output (trained unrolled, the way it drafts).
+                      Starts as the identity on RMSNorm(hidden) (see init_from_target).
 
 The target's embeddings, final norm and LM head are used frozen and never saved in a checkpoint.
 """
@@ -344,8 +345,23 @@ class MTPSequentialModule(DraftHeads):
         return cls(target_config, config["num_positions"])
 
     def init_from_target(self, target) -> None:
+        """Start as "the target's own next-token prediction from the hidden state": the projection
+        passes RMSNorm(hidden) through (the token half starts at zero) and the block (a copy of the
+        target's last block, so its attention / MLP features are meaningful) has its two output
+        projections zeroed, so it starts as the identity on the residual stream — zero-initialised
+        residual branches. From a random projection the module first learnt a bigram model of the
+        next token and ignored the hidden state (equal agreement at every depth, ~0.19 after 250
+        steps on Qwen2.5-0.5B data)."""
         last_block = target.model.model.layers[-1].state_dict()
         self.block.load_state_dict({name: tensor.float() for name, tensor in last_block.items()})
+        hidden_size = self.proj.weight.shape[0]
+        with torch.no_grad():
+            self.proj.weight.zero_()
+            self.proj.weight[:, :hidden_size].copy_(torch.eye(hidden_size))
+            for output in (self.block.self_attn.o_proj, self.block.mlp.down_proj):
+                output.weight.zero_()
+                if output.bias is not None:
+                    output.bias.zero_()
 
     def combine(self, previous: torch.Tensor, next_tokens: torch.Tensor, parts: FrozenTargetParts) -> torch.Tensor:
         """proj([RMSNorm(previous hidden); RMSNorm(embedding of the next token)]) -> [..., H]."""
