@@ -195,15 +195,21 @@ def test_sampled_vocab_covers_labels_and_scores_like_the_full_head(counter, coun
         vocab.draw(parts, torch.tensor([vocab.others[0]]), generator)
 
 
-def test_training_with_a_sampled_softmax_learns_too(counter, counter_data, tmp_path):
-    heads = build_heads("medusa", counter, 3)
-    _, samples = load_samples(counter_data, [heads.input_layer], counter)
-    settings = TrainSettings(steps=150, lr=3e-3, batch_size=4, loss_rows=256, warmup_steps=10, eval_every=150,
-                             softmax_negatives=2)
+@pytest.mark.parametrize("kind,lr,variant", [
+    ("medusa", 3e-3, {"softmax_negatives": 2}),  # sampled softmax; eval still over the FULL vocabulary
+    ("mtp-sequential", 1e-3, {"feature_weight": 1.0}),  # token loss + feature regression
+], ids=["sampled-softmax", "feature-loss"])
+def test_training_variants_learn_too(counter, counter_data, tmp_path, kind, lr, variant):
+    heads = build_heads(kind, counter, HEAD_SETUPS[kind][0])
+    _, samples = load_samples(counter_data, sorted({heads.input_layer, counter.num_layers}), counter)
+    settings = TrainSettings(steps=150, lr=lr, batch_size=4, loss_rows=256, warmup_steps=10, eval_every=150, **variant)
     result = train(heads, counter, samples, tmp_path / "ckpt", settings, target_description(counter), progress=False,
                    log=lambda _: None)
-    last = result.history["eval"][-1]  # evaluated over the FULL vocabulary
+    last = result.history["eval"][-1]
     assert last["loss"] < LOSS_LIMIT and last["top1"][0] > AGREEMENT_LIMIT, last
+
+
+def test_sampled_softmax_settings_are_checked():
     with pytest.raises(ValueError, match="softmax_negatives"):
         TrainSettings(steps=1, softmax_negatives=-1).validate()
 
@@ -273,17 +279,6 @@ def test_feature_loss_is_smooth_l1_to_the_targets_top_hidden(counter, counter_da
         heads_loss(heads, batch, parts, with_features, torch.Generator())
     with pytest.raises(ValueError, match="feature_weight"):
         TrainSettings(steps=1, feature_weight=-1.0).validate()
-
-
-def test_training_with_the_feature_loss_learns_too(counter, counter_data, tmp_path):
-    heads = build_heads("mtp-sequential", counter, 2)
-    _, samples = load_samples(counter_data, [counter.num_layers], counter)
-    settings = TrainSettings(steps=150, lr=1e-3, batch_size=4, loss_rows=256, warmup_steps=10, eval_every=150,
-                             feature_weight=1.0)
-    result = train(heads, counter, samples, tmp_path / "ckpt", settings, target_description(counter), progress=False,
-                   log=lambda _: None)
-    last = result.history["eval"][-1]
-    assert last["loss"] < LOSS_LIMIT and last["top1"][0] > AGREEMENT_LIMIT, last
 
 
 def test_trainer_resume_continues_exactly(counter, counter_data, tmp_path):
