@@ -53,8 +53,8 @@ def _new_rows(ctx: DraftContext, layer: int, cached: int) -> tuple[torch.Tensor 
 class _ParallelRunner:
     """Per-sequence state of MTP parallel heads: their KV cache and the newest row's features."""
 
-    def __init__(self, heads: MTPParallelHeads, vocab: DraftVocab, target, prompt_len: int):
-        self.heads, self.parts = heads, vocab.parts
+    def __init__(self, heads: MTPParallelHeads, parts: FrozenTargetParts, target, prompt_len: int):
+        self.heads, self.parts = heads, parts
         self.cache = heads.new_cache(prompt_len + _CACHE_HEADROOM, target.dtype, target.device)
         self.features: torch.Tensor | None = None  # [K, H] head outputs at the newest cached position
 
@@ -81,9 +81,9 @@ class _ParallelRunner:
 class _SequentialRunner:
     """Per-sequence state of the chained MTP module: its KV cache and the newest depth-1 output."""
 
-    def __init__(self, heads: MTPSequentialModule, vocab: DraftVocab, target, prompt_len: int):
-        # embeddings come from the full table (any committed token); logits only over the draft vocabulary
-        self.heads, self.parts = heads, vocab.parts
+    def __init__(self, heads: MTPSequentialModule, parts: FrozenTargetParts, target, prompt_len: int):
+        # parts = the draft vocabulary's: embeddings from the full table (any committed token), logits over V'
+        self.heads, self.parts = heads, parts
         self.cache = heads.new_cache(prompt_len + _CACHE_HEADROOM, target.dtype, target.device)
         self.last_output: torch.Tensor | None = None  # [1, 1, H] depth-1 output at the newest cached position
 
@@ -180,7 +180,7 @@ class MTPDrafter(Drafter):
         return self._cost_tokens
 
     def begin(self, prompt_ids, target) -> None:
-        self.runner = _RUNNERS[type(self.heads)](self.heads, self.vocab, self.target, len(prompt_ids))
+        self.runner = _RUNNERS[type(self.heads)](self.heads, self.vocab.parts, self.target, len(prompt_ids))
 
     @torch.inference_mode()
     def on_verified(self, result, ctx: DraftContext) -> None:

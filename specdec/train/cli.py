@@ -21,7 +21,6 @@ DEFAULT_LOSS_ROWS_CPU, DEFAULT_LOSS_ROWS_CUDA = 256, 2048
 DEFAULT_BATCH_CPU = {"medusa": 8, "mtp-parallel": 2, "mtp-sequential": 2}  # Medusa's cost is the LM-head rows, not the batch
 DEFAULT_BATCH_CUDA = 16
 DEFAULT_LR = {"medusa": 1e-3, "mtp-parallel": 1e-3, "mtp-sequential": 1e-3}
-DEFAULT_FEATURE_WEIGHT = {"medusa": 0.0, "mtp-parallel": 0.0, "mtp-sequential": 0.0}
 # --flavour -> (head kind, the option holding its number of head positions)
 MTP_FLAVOURS = {"parallel": ("mtp-parallel", "num_heads"), "sequential": ("mtp-sequential", "depth")}
 
@@ -65,10 +64,9 @@ def _add_common_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seq-len", type=int, default=512, help="longer samples are cropped to a random window")
     parser.add_argument("--warmup-steps", type=int, default=20)
     parser.add_argument("--head-decay", type=float, default=0.8, help="loss weight of head k is decay^(k-1)")
-    parser.add_argument("--feature-weight", type=float, default=None,
+    parser.add_argument("--feature-weight", type=float, default=0.0,
                         help="weight of the feature loss: smooth L1 from the head's readout to the target's own top-layer "
-                             "hidden state at the label's position (EAGLE's regression target; default: "
-                             + ", ".join(f"{kind} {weight}" for kind, weight in DEFAULT_FEATURE_WEIGHT.items()) + ")")
+                             "hidden state at the label's position (EAGLE's regression target; 0 = off)")
     parser.add_argument("--prompt-rows", action="store_true",
                         help="also learn on positions inside the prompt (labels are the target's top-1 there too)")
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
@@ -150,8 +148,7 @@ def run_heads_training(args) -> int:
     device, dtype = _resolve_device_and_dtype(args)
     target = _load_target(args.model)
     heads = build_heads(kind, target, **options)
-    feature_weight = DEFAULT_FEATURE_WEIGHT[kind] if args.feature_weight is None else args.feature_weight
-    layers = sorted({heads.input_layer, target.num_layers} if feature_weight > 0 else {heads.input_layer})
+    layers = sorted({heads.input_layer, target.num_layers} if args.feature_weight > 0 else {heads.input_layer})
     manifest, samples = load_samples(args.data, layers, target)
     if not manifest.get("complete"):
         print(f"note: {args.data} is incomplete ({len(manifest['shards'])}/{manifest['num_shards']} shards); "
@@ -162,7 +159,7 @@ def run_heads_training(args) -> int:
         batch_size=args.batch_size or (DEFAULT_BATCH_CUDA if device.startswith("cuda") else DEFAULT_BATCH_CPU[kind]),
         warmup_steps=args.warmup_steps, dtype=dtype, max_seq_len=args.max_seq_len,
         loss_rows=args.loss_rows or (DEFAULT_LOSS_ROWS_CUDA if device.startswith("cuda") else DEFAULT_LOSS_ROWS_CPU),
-        head_decay=args.head_decay, feature_weight=feature_weight, prompt_rows=args.prompt_rows, softmax_negatives=args.softmax_negatives, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed, device=device,
+        head_decay=args.head_decay, feature_weight=args.feature_weight, prompt_rows=args.prompt_rows, softmax_negatives=args.softmax_negatives, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed, device=device,
     )
     data_info = {"dir": str(Path(args.data).resolve()), "samples": len(samples), "sources": manifest["sources"],
                  "generated_text_licence": manifest["generated_text_licence"]}

@@ -169,7 +169,15 @@ def estimate_bytes(prompt_lengths: list[int], settings: DataSettings, hidden_siz
     return max_tokens * (2 * hidden_size * len(settings.layers) + 4)
 
 
-def _answer_shard(target, prompt_ids: list[list[int]], decodings: list[SamplingParams], settings: DataSettings):
+@dataclass
+class Sample:
+    tokens: torch.Tensor  # [T] long: prompt + the target's answer
+    hidden: dict[int, torch.Tensor]  # layer -> [T, H] float16
+    num_prompt_tokens: int
+    target_next: torch.Tensor  # [T] long: the target's top-1 token after position t (its greedy choice for t + 1)
+
+
+def _answer_shard(target, prompt_ids: list[list[int]], decodings: list[SamplingParams], settings: DataSettings) -> list[Sample]:
     """The target's own answers for one shard, decoded as ONE batch (each row equals the prompt run
     alone; batching is what makes self-distillation affordable on a CPU), then one forward per
     sample over prompt + answer for the hidden states."""
@@ -184,29 +192,28 @@ def _answer_shard(target, prompt_ids: list[list[int]], decodings: list[SamplingP
         with torch.inference_mode():
             logits, hiddens = target.forward(tokens, torch.arange(len(ids))[None], cache, hidden_layers=tuple(settings.layers))
         hidden = {layer: hiddens[layer][0].to("cpu", torch.float16) for layer in settings.layers}  # {layer: [T, H]}
-        samples.append((ids, hidden, logits[0].argmax(-1).cpu()))  # target_next [T]: the target's top-1 after each position
+        samples.append(Sample(tokens[0], hidden, len(ids_of_prompt), logits[0].argmax(-1).cpu()))
     return samples
 
 
-def _write_shard(path: Path, samples: list[tuple], prompt_indices: list[int], sampled: list[bool], layers: list[int]) -> dict:
+def _write_shard(path: Path, samples: list[Sample], prompt_indices: list[int], sampled: list[bool], layers: list[int]) -> dict:
     from safetensors.torch import save_file
 
-    lengths = [len(ids) for ids, _, _, _ in samples]
-    offsets = torch.tensor([0] + lengths).cumsum(0)  # [n + 1]
+    offsets = torch.tensor([0] + [len(sample.tokens) for sample in samples]).cumsum(0)  # [n + 1]
     tensors = {
-        "tokens": torch.tensor([t for ids, _, _, _ in samples for t in ids], dtype=torch.int32),  # [N]
-        TARGET_NEXT_KEY: torch.cat([next_ids for _, _, _, next_ids in samples]).to(torch.int32),  # [N]
+        "tokens": torch.cat([sample.tokens for sample in samples]).to(torch.int32),  # [N]
+        TARGET_NEXT_KEY: torch.cat([sample.target_next for sample in samples]).to(torch.int32),  # [N]
         "offsets": offsets,
-        "prompt_lengths": torch.tensor([n for _, _, n, _ in samples], dtype=torch.long),
+        "prompt_lengths": torch.tensor([sample.num_prompt_tokens for sample in samples], dtype=torch.long),
         "sampled": torch.tensor(sampled, dtype=torch.uint8),
         "prompt_index": torch.tensor(prompt_indices, dtype=torch.long),
     }
     for layer in layers:
-        tensors[HIDDEN_KEY.format(layer=layer)] = torch.cat([hidden[layer] for _, hidden, _, _ in samples]).contiguous()  # [N, H]
+        tensors[HIDDEN_KEY.format(layer=layer)] = torch.cat([sample.hidden[layer] for sample in samples]).contiguous()  # [N, H]
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp))
     tmp.replace(path)
-    answer_tokens = sum(len(ids) - n for ids, _, n, _ in samples)
+    answer_tokens = sum(len(sample.tokens) - sample.num_prompt_tokens for sample in samples)
     return {"file": path.name, "samples": len(samples), "tokens": int(offsets[-1]), "answer_tokens": answer_tokens,
             "bytes": path.stat().st_size}
 
@@ -249,8 +256,7 @@ def build_dataset(
             break
         indices = list(range(shard * settings.shard_size, min(len(prompts), (shard + 1) * settings.shard_size)))
         decodings = [settings.decoding_for(index) for index in indices]
-        answered = _answer_shard(target, [prompt_ids[index] for index in indices], decodings, settings)
-        samples = [(ids, hidden, len(prompt_ids[index]), next_ids) for (ids, hidden, next_ids), index in zip(answered, indices)]
+        samples = _answer_shard(target, [prompt_ids[index] for index in indices], decodings, settings)
         sampled = [not decoding.greedy for decoding in decodings]
         bar.update(len(indices))
         manifest["shards"][str(shard)] = _write_shard(out_dir / shard_name(shard), samples, indices, sampled, settings.layers)
@@ -262,14 +268,6 @@ def build_dataset(
 
 
 # ----------------------------------------------------------------------------- reading
-@dataclass
-class Sample:
-    tokens: torch.Tensor  # [T] long: prompt + the target's answer
-    hidden: dict[int, torch.Tensor]  # layer -> [T, H] float16
-    num_prompt_tokens: int
-    target_next: torch.Tensor  # [T] long: the target's top-1 token after position t (its greedy choice for t + 1)
-
-
 def _target_next_from_hidden(target, top_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """argmax of the target's LM head over stored top-layer rows [N, H] -> [N] (shards written before
     `target_next` was stored; fp16 rows can flip exact near-ties, which is why new shards store it)."""
