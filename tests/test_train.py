@@ -270,7 +270,7 @@ def test_feature_loss_is_smooth_l1_to_the_targets_top_hidden(counter, counter_da
     with_features = TrainSettings(steps=1, loss_rows=10_000, head_decay=1.0, feature_weight=0.5)
     token_loss, _, _ = heads_loss(heads, batch, parts, plain, torch.Generator())
     both, _, _ = heads_loss(heads, batch, parts, with_features, torch.Generator())
-    rows, _ = label_rows(batch, 1)
+    rows, _ = label_rows(batch, 1, greedy_from=1)  # the rows the trainer learns on
     readout = heads(batch.hidden)[rows[:, 0], rows[:, 1], rows[:, 2]]
     wanted = batch.top_hidden[rows[:, 1], rows[:, 2] + 1]  # head 1 at t: the state at t + 1 produced label t + 2
     assert torch.allclose(both, token_loss + 0.5 * F.smooth_l1_loss(readout, wanted), atol=1e-5)
@@ -511,3 +511,125 @@ def test_cli_end_to_end_on_tiny_model(tiny_dirs, tmp_path):
     resume_args = [arg if arg != "5" else "8" for arg in train_args] + ["--resume"]
     assert main(resume_args) == 0
     assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["training"]["steps"] == 8
+
+
+# ---------------------------------------------------------------------------- teacher-forced corpus data
+def cycle_text(start: int, length: int) -> str:
+    """`length` characters of the counter's greedy cycle from token `start` (token t is chr(30 + t))."""
+    span = VOCAB - FIRST_CYCLE_TOKEN
+    return "".join(chr(30 + FIRST_CYCLE_TOKEN + (start - FIRST_CYCLE_TOKEN + i) % span) for i in range(length))
+
+
+def write_corpus(directory, seed: int = 0):
+    """Text files in the counter's alphabet: runs of its greedy cycle broken by random characters."""
+    rng = random.Random(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    for index in range(4):
+        pieces = []
+        for _ in range(6):
+            pieces.append(cycle_text(rng.randrange(FIRST_CYCLE_TOKEN, VOCAB), rng.randrange(6, 14)))
+            pieces.append("".join(chr(30 + rng.randrange(FIRST_CYCLE_TOKEN, VOCAB)) for _ in range(rng.randrange(1, 3))))
+        (directory / f"part{index}.txt").write_text("".join(pieces))
+    (directory / "image.bin").write_bytes(bytes(range(256)))  # not a text suffix: skipped
+    return directory
+
+
+def corpus_settings(**changes):
+    from specdec.train import CorpusSettings
+
+    return CorpusSettings(**{"chunk_tokens": 24, "shard_size": 3, "batch_size": 2, "instruction": "!!", **changes})
+
+
+def test_corpus_data_is_the_targets_forward_over_the_text_and_resumes(counter, tmp_path):
+    from specdec.train import build_corpus_dataset
+    from specdec.train.trainer import split_samples
+
+    corpus = write_corpus(tmp_path / "corpus")
+    quiet = lambda _: None  # noqa: E731
+    whole = build_corpus_dataset(counter, tmp_path / "whole", [corpus], corpus_settings(), progress=False, log=quiet)
+    partial = build_corpus_dataset(counter, tmp_path / "resumed", [corpus], corpus_settings(), progress=False, log=quiet,
+                                   stop_after_shards=1)
+    assert len(partial["shards"]) == 1 and not partial["complete"]
+    resumed = build_corpus_dataset(counter, tmp_path / "resumed", [corpus], corpus_settings(), progress=False, log=quiet)
+    assert whole["complete"] and resumed["complete"] and whole["kind"] == "teacher-forced"
+    _, first = _shard_tensors(tmp_path / "whole")
+    _, again = _shard_tensors(tmp_path / "resumed")
+    assert first.keys() == again.keys() and len(first) == whole["num_shards"] > 1
+    assert all(torch.equal(first[s][name], again[s][name]) for s in first for name in first[s])
+    assert whole["sources"]["corpus"]["licence"] and "4 text files" in whole["sources"]["corpus"]["description"]
+
+    _, samples = load_samples(tmp_path / "whole", [counter.num_layers], counter)
+    assert all(s.teacher_forced for s in samples) and len(samples) == whole["num_prompts"]
+    prompt = counter.encode_prompt("!!")
+    text = "".join((corpus / f"part{i}.txt").read_text() for i in range(4))
+    for sample in samples[:4]:  # prompt + a piece of the corpus; hidden rows and top-1 from the target's own forward
+        assert sample.tokens[: sample.num_prompt_tokens].tolist() == prompt
+        piece = "".join(chr(30 + t) for t in sample.tokens[sample.num_prompt_tokens :].tolist())
+        assert piece in text and 16 <= len(piece) <= 24
+        logits, hiddens = counter.forward(sample.tokens[None], torch.arange(len(sample.tokens))[None],
+                                          counter.new_cache(1, len(sample.tokens)), hidden_layers=(counter.num_layers,))
+        assert torch.allclose(sample.hidden[counter.num_layers].float(), hiddens[counter.num_layers][0], atol=1e-2)
+        assert torch.equal(sample.target_next, logits[0].argmax(-1))
+    # corpus samples train, never hold out (when self-distilled samples are there to hold out)
+    own = [s for s in samples[:5]]
+    for s in own:
+        s.teacher_forced = False
+    train_part, held_out = split_samples(samples, 0.1)
+    assert not any(s.teacher_forced for s in held_out) and len(train_part) + len(held_out) == len(samples)
+
+
+def test_corpus_data_bad_input_is_a_clear_error(counter, tmp_path):
+    from specdec.train import build_corpus_dataset
+
+    quiet = lambda _: None  # noqa: E731
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        build_corpus_dataset(counter, tmp_path / "out", [tmp_path / "missing"], corpus_settings(), progress=False, log=quiet)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "x.bin").write_bytes(b"\0")
+    with pytest.raises(ValueError, match="no text files"):
+        build_corpus_dataset(counter, tmp_path / "out", [tmp_path / "empty"], corpus_settings(), progress=False, log=quiet)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        build_corpus_dataset(counter, tmp_path / "out", [tmp_path / "empty"], corpus_settings(chunk_tokens=4), progress=False,
+                             log=quiet)
+    assert not (tmp_path / "out").exists()  # nothing half-written
+    corpus = write_corpus(tmp_path / "corpus")
+    build_corpus_dataset(counter, tmp_path / "out", [corpus], corpus_settings(), progress=False, log=quiet, stop_after_shards=1)
+    with pytest.raises(ValueError, match="other data"):  # another chunking cannot resume this directory
+        build_corpus_dataset(counter, tmp_path / "out", [corpus], corpus_settings(chunk_tokens=20), progress=False, log=quiet)
+
+
+def test_label_rows_keep_only_rows_on_the_targets_greedy_path():
+    from specdec.train.trainer import Batch, label_rows
+
+    # the target's top-1 after token i is i + 1; the text leaves that path at t = 3 (token 9, not 5)
+    tokens = torch.tensor([[1, 2, 3, 9, 10, 11, 12]])
+    target_next = tokens + 1
+    batch = Batch(tokens, torch.zeros(1, 7, 4), torch.arange(7)[None], torch.tensor([7]), torch.tensor([1]), target_next)
+    all_rows, _ = label_rows(batch, num_positions=2)
+    # a head reading no later token: head k at t needs tokens t + 1 .. t + k on the path (t + j != 3)
+    rows, labels = label_rows(batch, num_positions=2, greedy_from=1)
+    assert [tuple(r) for r in rows.tolist()] == [(0, 0, 0), (0, 0, 1), (0, 0, 3), (0, 0, 4), (1, 0, 0), (1, 0, 3)]
+    assert labels.tolist() == [target_next[0, t + k + 1].item() for k, _, t in rows.tolist()]
+    # a head that reads the committed next token (MTP sequential): only tokens t + 2 .. t + k must be on the path
+    rows, _ = label_rows(batch, num_positions=2, greedy_from=2)
+    assert [tuple(r) for r in rows.tolist()] == [(0, 0, t) for t in range(5)] + [(1, 0, 0), (1, 0, 2), (1, 0, 3)]
+    assert len(all_rows) == 5 + 4  # without the condition every label position counts
+
+
+def test_heads_trained_on_corpus_text_only_agree_with_the_target_on_its_own_answers(counter, counter_data, tmp_path):
+    from specdec.train import build_corpus_dataset
+    from specdec.train.heads import FrozenTargetParts
+    from specdec.train.trainer import evaluate
+
+    corpus = write_corpus(tmp_path / "corpus", seed=1)
+    quiet = lambda _: None  # noqa: E731
+    build_corpus_dataset(counter, tmp_path / "data", [corpus], corpus_settings(shard_size=8), progress=False, log=quiet)
+    heads = build_heads("medusa", counter, 2)
+    _, corpus_samples = load_samples(tmp_path / "data", [heads.input_layer], counter)
+    settings = TrainSettings(steps=150, lr=3e-3, batch_size=4, loss_rows=256, warmup_steps=10, eval_every=150)
+    train(heads, counter, corpus_samples, tmp_path / "ckpt", settings, target_description(counter), progress=False, log=quiet)
+    # judged on the target's own answers, which it never saw
+    _, own = load_samples(counter_data, [heads.input_layer], counter)
+    parts = FrozenTargetParts.from_target(counter).to(dtype=torch.float32)
+    result = evaluate(heads, own, parts, settings, torch.device("cpu"))
+    assert result["top1"][0] > AGREEMENT_LIMIT and result["top1"][1] > AGREEMENT_LIMIT, result["top1"]

@@ -1,6 +1,7 @@
 """Trained drafters: self-distillation data, the head modules and one shared training loop.
 
     specdec train data   --model NAME --out DIR      # the target answers offline prompts
+    specdec train data   --model NAME --out DIR --corpus FILES   # teacher-forced text
     specdec train medusa --model NAME --data DIR --out CKPT
     specdec train mtp    --model NAME --data DIR --out CKPT --flavour parallel|sequential
 
@@ -8,11 +9,12 @@ Modules: prompts (offline prompt sources), data (generation + reading), heads (t
 modules, shared with the `medusa` / `mtp` drafters, and checkpoints), trainer (the loop), cli.
 """
 
-from .data import DataSettings, build_dataset, load_samples
+from .data import CorpusSettings, DataSettings, build_corpus_dataset, build_dataset, load_samples
 from .heads import HEAD_TYPES, FrozenTargetParts, build_heads, load_checkpoint, save_checkpoint, target_fingerprint
 from .trainer import TrainSettings, train
 
 __all__ = [
-    "HEAD_TYPES", "DataSettings", "FrozenTargetParts", "TrainSettings", "build_dataset", "build_heads",
+    "HEAD_TYPES", "CorpusSettings", "DataSettings", "FrozenTargetParts", "TrainSettings", "build_corpus_dataset",
+    "build_dataset", "build_heads",
     "load_checkpoint", "load_samples", "save_checkpoint", "target_fingerprint", "train",
 ]

@@ -1,7 +1,8 @@
 """`specdec train data | medusa | mtp` (routed here by specdec.cli).
 
     specdec train data   --model smollm2-135m --out data/smollm2 --num-prompts 32 --max-new-tokens 128
-    specdec train medusa --model smollm2-135m --data data/smollm2 --out ckpt/medusa --minutes 2
+    specdec train data   --model smollm2-135m --out data/smollm2-corpus --corpus /usr/lib/python3.11/json --max-chunks 200
+    specdec train medusa --model smollm2-135m --data data/smollm2 --data data/smollm2-corpus --out ckpt/medusa --minutes 2
     specdec train mtp    --model smollm2-135m --data data/smollm2 --out ckpt/mtp --flavour sequential --minutes 2
 
 Then: `specdec generate "..." --drafter medusa --drafter-arg checkpoint=ckpt/medusa`.
@@ -42,15 +43,27 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sampled-fraction", type=float, default=0.3, help="share of answers sampled instead of greedy")
     parser.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled answers")
     parser.add_argument("--top-p", type=float, default=0.95, help="top-p of the sampled answers")
-    parser.add_argument("--shard-size", type=int, default=16, help="prompts per shard")
+    parser.add_argument("--shard-size", type=int, default=None, help="prompts (or corpus chunks) per shard (default 16 / 64)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    corpus = parser.add_argument_group("teacher-forced corpus data (instead of self-distillation)")
+    corpus.add_argument("--corpus", nargs="+", metavar="PATH", default=None,
+                        help="text files or directories (*.py, *.txt, *.md, *.rst below them): one batched target "
+                             "forward per group of chunks, no decoding")
+    corpus.add_argument("--chunk-tokens", type=int, default=256, help="corpus tokens per sample")
+    corpus.add_argument("--max-chunks", type=int, default=None, help="keep this many chunks (after a seeded shuffle)")
+    corpus.add_argument("--instruction", default="Continue the following text.",
+                        help="the user turn each chunk answers (the chunk sits in the assistant turn)")
+    corpus.add_argument("--batch-size", type=int, default=8, help="chunks per target forward")
+    corpus.add_argument("--corpus-licence", default=None, help="the files' licence, recorded in the manifest")
     parser.set_defaults(train_func=run_data)
 
 
 def _add_common_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the target the heads are for (must match the data)")
-    parser.add_argument("--data", required=True, help="directory written by `specdec train data`")
+    parser.add_argument("--data", required=True, action="append",
+                        help="directory written by `specdec train data` (repeat to combine several; held-out data "
+                             "comes from the self-distilled ones)")
     parser.add_argument("--out", required=True, help="checkpoint directory")
     parser.add_argument("--minutes", type=float, default=None, help=f"time budget of this run (default {DEFAULT_MINUTES} without --steps)")
     parser.add_argument("--steps", type=int, default=None, help="total optimizer steps")
@@ -69,6 +82,9 @@ def _add_common_training_arguments(parser: argparse.ArgumentParser) -> None:
                              "hidden state at the label's position (EAGLE's regression target; 0 = off)")
     parser.add_argument("--prompt-rows", action="store_true",
                         help="also learn on positions inside the prompt (labels are the target's top-1 there too)")
+    parser.add_argument("--all-rows", action="store_true",
+                        help="also learn on rows whose context leaves the target's greedy path (sampled answers, "
+                             "corpus text); by default those are skipped")
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--eval-every", type=int, default=100)
@@ -112,16 +128,24 @@ def _load_target(name: str):
 
 
 def run_data(args) -> int:
-    from .data import DataSettings, build_dataset
+    from .data import CorpusSettings, DataSettings, build_corpus_dataset, build_dataset
 
     target = _load_target(args.model)
-    settings = DataSettings(
-        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, layers=args.layers,
-        sampled_fraction=args.sampled_fraction, temperature=args.temperature, top_p=args.top_p,
-        shard_size=args.shard_size, seed=args.seed,
-    )
     log = lambda message: print(message, file=sys.stderr)  # noqa: E731
-    manifest = build_dataset(target, args.out, settings, progress=not args.no_progress, log=log)
+    if args.corpus:
+        settings = CorpusSettings(
+            chunk_tokens=args.chunk_tokens, max_chunks=args.max_chunks, layers=args.layers, instruction=args.instruction,
+            shard_size=args.shard_size or CorpusSettings.shard_size, batch_size=args.batch_size, seed=args.seed,
+            **({"licence": args.corpus_licence} if args.corpus_licence else {}),
+        )
+        manifest = build_corpus_dataset(target, args.out, args.corpus, settings, progress=not args.no_progress, log=log)
+    else:
+        settings = DataSettings(
+            num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, layers=args.layers,
+            sampled_fraction=args.sampled_fraction, temperature=args.temperature, top_p=args.top_p,
+            shard_size=args.shard_size or DataSettings.shard_size, seed=args.seed,
+        )
+        manifest = build_dataset(target, args.out, settings, progress=not args.no_progress, log=log)
     shards = manifest["shards"].values()
     print(f"{sum(s['samples'] for s in shards)} samples, {sum(s['answer_tokens'] for s in shards)} answer tokens, "
           f"{sum(s['bytes'] for s in shards) / 2**20:.1f} MiB in {args.out} (complete: {manifest['complete']})")
@@ -149,20 +173,25 @@ def run_heads_training(args) -> int:
     target = _load_target(args.model)
     heads = build_heads(kind, target, **options)
     layers = sorted({heads.input_layer, target.num_layers} if args.feature_weight > 0 else {heads.input_layer})
-    manifest, samples = load_samples(args.data, layers, target)
-    if not manifest.get("complete"):
-        print(f"note: {args.data} is incomplete ({len(manifest['shards'])}/{manifest['num_shards']} shards); "
-              "training on the finished shards", file=sys.stderr)
+    samples, data_info = [], []
+    for directory in args.data:
+        manifest, loaded = load_samples(directory, layers, target)
+        if not manifest.get("complete"):
+            print(f"note: {directory} is incomplete ({len(manifest['shards'])}/{manifest['num_shards']} shards); "
+                  "training on the finished shards", file=sys.stderr)
+        samples.extend(loaded)
+        data_info.append({"dir": str(Path(directory).resolve()), "kind": manifest.get("kind", "self-distilled"),
+                          "samples": len(loaded), "sources": manifest["sources"],
+                          "generated_text_licence": manifest["generated_text_licence"]})
     minutes = args.minutes if (args.minutes is not None or args.steps is not None) else DEFAULT_MINUTES
     settings = TrainSettings(
         steps=args.steps, minutes=minutes, lr=args.lr or DEFAULT_LR[kind],
         batch_size=args.batch_size or (DEFAULT_BATCH_CUDA if device.startswith("cuda") else DEFAULT_BATCH_CPU[kind]),
         warmup_steps=args.warmup_steps, dtype=dtype, max_seq_len=args.max_seq_len,
         loss_rows=args.loss_rows or (DEFAULT_LOSS_ROWS_CUDA if device.startswith("cuda") else DEFAULT_LOSS_ROWS_CPU),
-        head_decay=args.head_decay, feature_weight=args.feature_weight, prompt_rows=args.prompt_rows, softmax_negatives=args.softmax_negatives, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed, device=device,
+        head_decay=args.head_decay, feature_weight=args.feature_weight, prompt_rows=args.prompt_rows,
+        greedy_path_rows=not args.all_rows, softmax_negatives=args.softmax_negatives, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed, device=device,
     )
-    data_info = {"dir": str(Path(args.data).resolve()), "samples": len(samples), "sources": manifest["sources"],
-                 "generated_text_licence": manifest["generated_text_licence"]}
     log = lambda message: print(message, file=sys.stderr)  # noqa: E731
     result = train(heads, target, samples, out, settings, target_description(target), {"data": data_info},
                    resume=args.resume, progress=not args.no_progress, log=log)

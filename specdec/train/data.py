@@ -1,4 +1,13 @@
-"""Self-distillation data: the target answers offline prompts; we keep token ids + hidden states.
+"""Training data for draft heads: token ids + the target's hidden states + its own top-1 choices.
+
+Two kinds, one shard format (the trainer reads both):
+
+* self-distilled (`build_dataset`, `specdec train data`): the target answers offline prompts;
+* teacher-forced (`build_corpus_dataset`, `specdec train data --corpus FILES`): text from files,
+  cut into chunks and put in an assistant turn; ONE batched target forward per group of chunks, no
+  decoding, so it yields several times more tokens per CPU minute. The labels are still the
+  target's own top-1 choices; the trainer keeps only rows whose context follows the target's
+  greedy path (trainer.label_rows), which is exactly the situation a draft is judged in.
 
 For every prompt the target writes its OWN answer (its chat template, its own decoding: greedy,
 or sampled for a `sampled_fraction` of prompts) with `specdec.generate`; then ONE target forward
@@ -14,14 +23,16 @@ On disk (`out_dir/`):
                              the label every head type learns, see heads.LABEL_CONVENTION)
     manifest.json            target (name + fingerprint), settings, sources + licences, finished shards
 
-Resumable: every shard and the manifest are written to a temp file and renamed; a rerun with the
-same settings skips the shards the manifest lists as finished. Each prompt's decoding (greedy or
+The manifest's "kind" says which ("self-distilled" or "teacher-forced"; older manifests have no
+kind and are self-distilled). Resumable: every shard and the manifest are written to a temp file and
+renamed; a rerun with the same settings skips the shards the manifest lists as finished. Each prompt's decoding (greedy or
 sampled, and the sampling seed) is a function of (seed, prompt index), so an interrupted and
 resumed job writes the same shards as an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -41,6 +52,7 @@ MANIFEST_FILE = "manifest.json"
 PROMPTS_FILE = "prompts.jsonl"
 HIDDEN_KEY = "hidden.{layer}"
 TARGET_NEXT_KEY = "target_next"
+SELF_DISTILLED, TEACHER_FORCED = "self-distilled", "teacher-forced"
 
 
 def shard_name(index: int) -> str:
@@ -68,15 +80,7 @@ class DataSettings:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not 0.0 <= self.sampled_fraction <= 1.0:
             raise ValueError(f"sampled_fraction must be in [0, 1], got {self.sampled_fraction!r}")
-        if self.layers is None:
-            self.layers = default_layers(target)
-        self.layers = sorted({int(layer) for layer in self.layers})
-        bad = [layer for layer in self.layers if not 0 <= layer <= target.num_layers]
-        if bad or not self.layers:
-            raise ValueError(
-                f"layers {bad or self.layers} out of range: hidden layers are 0 (embeddings) .. {target.num_layers} "
-                "(after the final norm)"
-            )
+        self.layers = resolve_layers(self.layers, target)
         SamplingParams(self.temperature, 0, self.top_p)  # raises a clear error for bad values
 
     def decoding_for(self, prompt_index: int) -> SamplingParams:
@@ -90,6 +94,18 @@ class DataSettings:
 def default_layers(target) -> list[int]:
     """The layers every head type reads: num_layers (Medusa, MTP sequential) and num_layers - 1 (MTP parallel)."""
     return sorted({max(0, target.num_layers - 1), target.num_layers})
+
+
+def resolve_layers(layers: list[int] | None, target) -> list[int]:
+    """`layers` sorted and checked (None: default_layers)."""
+    layers = sorted({int(layer) for layer in (default_layers(target) if layers is None else layers)})
+    bad = [layer for layer in layers if not 0 <= layer <= target.num_layers]
+    if bad or not layers:
+        raise ValueError(
+            f"layers {bad or layers} out of range: hidden layers are 0 (embeddings) .. {target.num_layers} "
+            "(after the final norm)"
+        )
+    return layers
 
 
 def _write_json_atomic(path: Path, payload) -> None:
@@ -107,6 +123,7 @@ def _new_manifest(target, settings: DataSettings, prompts: list[PromptItem], num
     return {
         "format": DATA_FORMAT,
         "format_version": DATA_VERSION,
+        "kind": SELF_DISTILLED,
         "target": target_description(target),
         "settings": asdict(settings),
         "hidden_size": target.hidden_size,
@@ -175,6 +192,7 @@ class Sample:
     hidden: dict[int, torch.Tensor]  # layer -> [T, H] float16
     num_prompt_tokens: int
     target_next: torch.Tensor  # [T] long: the target's top-1 token after position t (its greedy choice for t + 1)
+    teacher_forced: bool = False  # the answer is corpus text, not the target's own (training only, never held out)
 
 
 def _answer_shard(target, prompt_ids: list[list[int]], decodings: list[SamplingParams], settings: DataSettings) -> list[Sample]:
@@ -232,8 +250,6 @@ def build_dataset(
     `prompts` overrides the offline prompt mix (their count must equal settings.num_prompts).
     `stop_after_shards` stops after writing that many NEW shards (an interruption, for tests).
     """
-    from tqdm.auto import tqdm
-
     settings = settings or DataSettings()
     settings.validate(target)
     out_dir = Path(out_dir)
@@ -246,25 +262,200 @@ def build_dataset(
         f"{settings.max_new_tokens} tokens, layers {settings.layers} (fp16, hidden {target.hidden_size}): "
         f"at most {estimate / 2**20:.1f} MiB; {len(done)} shards already done"
     )
+    def answer(indices: list[int]) -> tuple[list[Sample], list[bool]]:
+        decodings = [settings.decoding_for(index) for index in indices]
+        samples = _answer_shard(target, [prompt_ids[index] for index in indices], decodings, settings)
+        return samples, [not decoding.greedy for decoding in decodings]
+
+    return _fill_shards(out_dir, manifest, len(prompts), settings.shard_size, settings.layers, answer,
+                        "self-distill", "prompt", progress, stop_after_shards)
+
+
+def _fill_shards(out_dir: Path, manifest: dict, num_items: int, shard_size: int, layers: list[int], make_shard,
+                 desc: str, unit: str, progress: bool, stop_after_shards: int | None) -> dict:
+    """Write every shard the manifest lacks: make_shard(item indices) -> (samples, sampled flags)."""
+    from tqdm.auto import tqdm
+
+    done = {int(k) for k, v in manifest["shards"].items() if (out_dir / v["file"]).is_file()}
     written = 0
-    bar = tqdm(total=len(prompts), desc="self-distill", unit="prompt", disable=not progress,
+    bar = tqdm(total=num_items, desc=desc, unit=unit, disable=not progress,
                initial=sum(manifest["shards"][str(i)]["samples"] for i in done))
     for shard in range(manifest["num_shards"]):
         if shard in done:
             continue
         if stop_after_shards is not None and written >= stop_after_shards:
             break
-        indices = list(range(shard * settings.shard_size, min(len(prompts), (shard + 1) * settings.shard_size)))
-        decodings = [settings.decoding_for(index) for index in indices]
-        samples = _answer_shard(target, [prompt_ids[index] for index in indices], decodings, settings)
-        sampled = [not decoding.greedy for decoding in decodings]
+        indices = list(range(shard * shard_size, min(num_items, (shard + 1) * shard_size)))
+        samples, sampled = make_shard(indices)
         bar.update(len(indices))
-        manifest["shards"][str(shard)] = _write_shard(out_dir / shard_name(shard), samples, indices, sampled, settings.layers)
+        manifest["shards"][str(shard)] = _write_shard(out_dir / shard_name(shard), samples, indices, sampled, layers)
         manifest["complete"] = len(manifest["shards"]) == manifest["num_shards"]
         _write_json_atomic(out_dir / MANIFEST_FILE, manifest)
         written += 1
     bar.close()
     return manifest
+
+
+# ----------------------------------------------------------------------------- teacher-forced corpus data
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
+MIN_CHUNK_TOKENS = 16  # a file's last piece shorter than this is dropped
+
+
+@dataclass
+class CorpusSettings:
+    """What `build_corpus_dataset` makes (recorded in the manifest and checked on resume)."""
+
+    chunk_tokens: int = 256  # corpus tokens per sample (the answer part)
+    max_chunks: int | None = None  # keep this many chunks (after a seeded shuffle); None = all
+    layers: list[int] | None = None  # as DataSettings.layers
+    instruction: str = "Continue the following text."  # the user turn the chunk answers
+    shard_size: int = 64  # chunks per shard
+    batch_size: int = 8  # chunks per target forward
+    seed: int = 0
+    licence: str = "the licence of the given files (not checked by specdec)"
+    corpus_digest: str = ""  # sha256 of the chunks' token ids (filled in by build_corpus_dataset)
+
+    def validate(self, target) -> None:
+        for name in ("chunk_tokens", "shard_size", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.chunk_tokens < MIN_CHUNK_TOKENS:
+            raise ValueError(f"chunk_tokens must be >= {MIN_CHUNK_TOKENS}, got {self.chunk_tokens}")
+        if self.max_chunks is not None and (isinstance(self.max_chunks, bool) or not isinstance(self.max_chunks, int)
+                                            or self.max_chunks < 1):
+            raise ValueError(f"max_chunks must be an integer >= 1, got {self.max_chunks!r}")
+        if not self.instruction.strip():
+            raise ValueError("the instruction (the user turn before each chunk) must not be empty")
+        self.layers = resolve_layers(self.layers, target)
+
+
+def corpus_files(paths: list[str | Path]) -> list[Path]:
+    """The text files named by `paths` (directories: every *.py/*.txt/*.md/*.rst below, sorted)."""
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            files.extend(sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"corpus path {raw} does not exist")
+    if not files:
+        raise ValueError(f"no text files ({', '.join(TEXT_SUFFIXES)}) under {', '.join(map(str, paths))}")
+    return files
+
+
+def corpus_chunks(tokenizer, files: list[Path], settings: CorpusSettings) -> list[list[int]]:
+    """Every file tokenised (no special tokens) and cut into `chunk_tokens` pieces, shuffled by the
+    seed (so the first shards already mix many files), at most `max_chunks` of them."""
+    chunks: list[list[int]] = []
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # binary or unreadable: not text for this purpose
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text.strip() else []
+        chunks.extend(ids[i : i + settings.chunk_tokens] for i in range(0, len(ids), settings.chunk_tokens))
+    chunks = [chunk for chunk in chunks if len(chunk) >= MIN_CHUNK_TOKENS]
+    random.Random(settings.seed).shuffle(chunks)
+    if settings.max_chunks is not None:
+        chunks = chunks[: settings.max_chunks]
+    if not chunks:
+        raise ValueError(f"the corpus has no piece of at least {MIN_CHUNK_TOKENS} tokens")
+    return chunks
+
+
+def _corpus_digest(chunks: list[list[int]]) -> str:
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        digest.update(torch.tensor(chunk, dtype=torch.int32).numpy().tobytes())
+        digest.update(b"|")
+    return digest.hexdigest()
+
+
+def _teacher_forced_shard(target, prompt_ids: list[int], chunks: list[list[int]], settings: CorpusSettings) -> list[Sample]:
+    """prompt + chunk for every chunk, run through the target in batches of equal length (no padding)."""
+    samples: dict[int, Sample] = {}
+    by_length: dict[int, list[int]] = {}
+    for index, chunk in enumerate(chunks):
+        by_length.setdefault(len(chunk), []).append(index)
+    for indices in by_length.values():
+        for start in range(0, len(indices), settings.batch_size):
+            group = indices[start : start + settings.batch_size]
+            tokens = torch.tensor([prompt_ids + chunks[i] for i in group], dtype=torch.long)  # [B, T]
+            batch, length = tokens.shape
+            cache = target.new_cache(batch, length)
+            positions = torch.arange(length)[None].expand(batch, length)  # [B, T]
+            with torch.inference_mode():
+                logits, hiddens = target.forward(tokens, positions, cache, hidden_layers=tuple(settings.layers))
+            next_ids = logits.argmax(-1).cpu()  # [B, T]
+            for row, index in enumerate(group):
+                hidden = {layer: hiddens[layer][row].to("cpu", torch.float16) for layer in settings.layers}  # {layer: [T, H]}
+                samples[index] = Sample(tokens[row], hidden, len(prompt_ids), next_ids[row], teacher_forced=True)
+    return [samples[index] for index in range(len(chunks))]
+
+
+def build_corpus_dataset(
+    target,
+    out_dir: str | Path,
+    paths: list[str | Path],
+    settings: CorpusSettings | None = None,
+    progress: bool = True,
+    stop_after_shards: int | None = None,
+    log=print,
+) -> dict:
+    """Teacher-forced data from text files in `out_dir` (or resume it); returns the manifest."""
+    settings = settings or CorpusSettings()
+    settings.validate(target)
+    out_dir = Path(out_dir)
+    files = corpus_files(paths)
+    chunks = corpus_chunks(target.tokenizer, files, settings)
+    settings.corpus_digest = _corpus_digest(chunks)
+    num_shards = -(-len(chunks) // settings.shard_size)
+    manifest_path = out_dir / MANIFEST_FILE
+    if manifest_path.exists():
+        manifest = read_manifest(out_dir)
+        check_target_matches(manifest, target, f"data in {out_dir}")
+        if manifest.get("kind") != TEACHER_FORCED or manifest["settings"] != asdict(settings):
+            raise ValueError(
+                f"{out_dir} already holds other data (another kind, corpus or settings); rerun with the same files and "
+                "settings to resume, or choose a new --out"
+            )
+    else:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        roots = sorted({str(Path(p).resolve()) for p in paths})
+        manifest = {
+            "format": DATA_FORMAT,
+            "format_version": DATA_VERSION,
+            "kind": TEACHER_FORCED,
+            "target": target_description(target),
+            "settings": asdict(settings),
+            "hidden_size": target.hidden_size,
+            "hidden_dtype": "float16",
+            "chat_template": bool(getattr(target.tokenizer, "chat_template", None)),
+            "sources": {"corpus": {"description": f"{len(files)} text files under {', '.join(roots)}, teacher-forced",
+                                   "licence": settings.licence, "chunks": len(chunks)}},
+            "generated_text_licence": "no generated text: the answers are the corpus files' own text",
+            "num_prompts": len(chunks),
+            "num_shards": num_shards,
+            "shards": {},
+            "complete": False,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        _write_json_atomic(manifest_path, manifest)
+    prompt_ids = target.encode_prompt(settings.instruction)
+    tokens = sum(len(chunk) + len(prompt_ids) for chunk in chunks)
+    log(f"teacher-forced data: {len(chunks)} chunks of <= {settings.chunk_tokens} tokens from {len(files)} files "
+        f"({tokens} tokens with the instruction), layers {settings.layers}: about "
+        f"{tokens * (2 * target.hidden_size * len(settings.layers) + 8) / 2**20:.1f} MiB; "
+        f"{len(manifest['shards'])} of {num_shards} shards already done")
+
+    def forward(indices: list[int]) -> tuple[list[Sample], list[bool]]:
+        return _teacher_forced_shard(target, prompt_ids, [chunks[i] for i in indices], settings), [False] * len(indices)
+
+    return _fill_shards(out_dir, manifest, len(chunks), settings.shard_size, settings.layers, forward,
+                        "teacher-forced", "chunk", progress, stop_after_shards)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -309,6 +500,7 @@ def load_samples(directory: str | Path, layers: list[int], target=None) -> tuple
     missing = [layer for layer in layers if layer not in manifest["settings"]["layers"]]
     if missing:
         raise ValueError(f"data in {directory} has hidden layers {manifest['settings']['layers']}, but these heads need {missing}")
+    teacher_forced = manifest.get("kind") == TEACHER_FORCED
     samples: list[Sample] = []
     for shard in sorted(manifest["shards"], key=int):
         path = directory / manifest["shards"][shard]["file"]
@@ -322,6 +514,7 @@ def load_samples(directory: str | Path, layers: list[int], target=None) -> tuple
                 hidden={layer: tensors[HIDDEN_KEY.format(layer=layer)][start:stop] for layer in layers},
                 num_prompt_tokens=int(tensors["prompt_lengths"][i]),
                 target_next=tensors[TARGET_NEXT_KEY][start:stop].long(),
+                teacher_forced=teacher_forced,
             ))
     if not samples:
         raise ValueError(f"data in {directory} has no finished shards yet; run (or resume) `specdec train data`")

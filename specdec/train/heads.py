@@ -218,6 +218,9 @@ class DraftHeads(nn.Module):
 
     kind: ClassVar[str] = ""
     drafter: ClassVar[str] = ""  # the drafter that runs this head type
+    # tokens after the input position the module reads (MTP sequential: the next token, which is
+    # committed when it drafts); the trainer's greedy-path rows start after them
+    tokens_read_ahead: ClassVar[int] = 0
 
     def __init__(self, input_layer: int, num_positions: int):
         super().__init__()
@@ -330,6 +333,7 @@ class MTPSequentialModule(DraftHeads):
 
     kind = "mtp-sequential"
     drafter = "mtp"
+    tokens_read_ahead = 1
 
     def __init__(self, target_config, depth: int = 3):
         super().__init__(input_layer=target_config.num_hidden_layers, num_positions=depth)

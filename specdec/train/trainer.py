@@ -63,6 +63,9 @@ class TrainSettings:
     # hidden state at the label's position (0 = token loss only)
     feature_weight: float = 0.0
     prompt_rows: bool = False  # also learn on rows whose label lies in the prompt (eval never does)
+    # learn only on rows whose context follows the target's greedy path (label_rows' greedy_from);
+    # needed for teacher-forced corpus data, harmless on greedy answers (eval counts every row)
+    greedy_path_rows: bool = True
     eval_fraction: float = 0.1
     eval_rows: int = 4096
     eval_every: int = 100
@@ -145,11 +148,20 @@ def make_batch(samples: list[Sample], layer: int, max_seq_len: int, generator: t
                  target_next.to(device), None if top_hidden is None else top_hidden.to(device))
 
 
-def label_rows(batch: Batch, num_positions: int, prompt_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def label_rows(batch: Batch, num_positions: int, prompt_rows: bool = False,
+               greedy_from: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows [N, 3] of (head k - 1, b, t), labels [N]) for every valid label position t + k + 1.
 
     The label is target_next[t + k]: the target's top-1 for position t + k + 1 given the tokens
-    up to t + k. Valid where t + k + 1 is a token of the row (and of the answer unless prompt_rows)."""
+    up to t + k. Valid where t + k + 1 is a token of the row (and of the answer unless prompt_rows).
+
+    `greedy_from` = j0 also requires tokens t + j0 .. t + k to be the target's own greedy choices
+    (tokens[i] == target_next[i - 1]): at drafting time head position k is judged only after the
+    draft tokens before it were accepted, i.e. on the greedy path. Heads that read no token after
+    t use j0 = 1; a head that reads the (committed) next token uses j0 = 2. On greedy answers every
+    row passes; on sampled answers and corpus text the other rows' labels cannot be predicted from
+    what the head sees. None = no such condition (evaluation).
+    """
     width = batch.tokens.shape[1]
     t = torch.arange(width, device=batch.tokens.device)  # [T]
     k = torch.arange(1, num_positions + 1, device=t.device)  # [K]
@@ -157,6 +169,14 @@ def label_rows(batch: Batch, num_positions: int, prompt_rows: bool = False) -> t
     valid = label_index < batch.lengths[None, :, None]  # [K, B, T]
     if not prompt_rows:
         valid &= label_index >= batch.answer_start[None, :, None]
+    if greedy_from is not None:
+        greedy = torch.ones_like(batch.tokens, dtype=torch.bool)  # [B, T]: token i is the target's top-1 after i - 1
+        greedy[:, 1:] = batch.tokens[:, 1:] == batch.target_next[:, :-1]
+        on_path = torch.ones_like(greedy)  # [B, T]
+        for position in range(1, num_positions + 1):
+            if position >= greedy_from:
+                on_path = on_path & F.pad(greedy[:, position:], (0, position), value=False)  # token t + position
+            valid[position - 1] &= on_path
     rows = valid.nonzero()  # [N, 3]
     labels = batch.target_next[rows[:, 1], rows[:, 2] + rows[:, 0] + 1]  # [N]
     return rows, labels
@@ -203,7 +223,8 @@ def heads_loss(heads: DraftHeads, batch: Batch, parts: FrozenTargetParts, settin
                generator: torch.Generator, vocab: SampledVocab | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weighted loss, correct [K], counted [K]) on at most `settings.loss_rows` random label rows."""
     features = heads(batch.hidden, batch.tokens, batch.positions, parts)  # [K, B, T, H]
-    rows, labels = label_rows(batch, heads.num_positions, settings.prompt_rows)
+    greedy_from = heads.tokens_read_ahead + 1 if settings.greedy_path_rows else None
+    rows, labels = label_rows(batch, heads.num_positions, settings.prompt_rows, greedy_from)
     if rows.shape[0] > settings.loss_rows:
         pick = torch.randperm(rows.shape[0], generator=generator)[: settings.loss_rows].to(rows.device)
         rows, labels = rows[pick], labels[pick]
@@ -293,12 +314,16 @@ def draft_vocab_summary(train_samples: list[Sample], eval_samples: list[Sample])
 
 
 def split_samples(samples: list[Sample], eval_fraction: float) -> tuple[list[Sample], list[Sample]]:
-    """(train, held-out): the last ceil(fraction * n) samples are held out (at least one when n >= 2)."""
-    if len(samples) < 2 or eval_fraction <= 0:
-        return samples, samples[-1:]  # too little data to hold any out: evaluate on the last sample
-    num_eval = max(1, math.ceil(eval_fraction * len(samples)))
-    num_eval = min(num_eval, len(samples) - 1)
-    return samples[:-num_eval], samples[-num_eval:]
+    """(train, held-out): the last ceil(fraction * n) self-distilled samples are held out (at least
+    one when n >= 2); teacher-forced samples only ever train (held-out agreement is measured on
+    the target's own answers, what drafting sees). Only teacher-forced data: held out from those."""
+    own = [s for s in samples if not s.teacher_forced] or samples
+    corpus = [s for s in samples if s.teacher_forced] if own is not samples else []
+    if len(own) < 2 or eval_fraction <= 0:
+        return corpus + own, own[-1:]  # too little data to hold any out: evaluate on the last sample
+    num_eval = max(1, math.ceil(eval_fraction * len(own)))
+    num_eval = min(num_eval, len(own) - 1)
+    return corpus + own[:-num_eval], own[-num_eval:]
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -344,8 +369,10 @@ def train(
         log(f"resuming from step {step} ({elapsed_before / 60:.1f} min trained so far)")
     elif resume:
         log(f"nothing to resume in {out_dir}: starting from scratch")
+    corpus = sum(s.teacher_forced for s in train_samples)
     log(f"training {heads.kind} ({heads.num_positions} head positions, {sum(p.numel() for p in heads.parameters()) / 1e6:.2f}M "
-        f"params) on {len(train_samples)} samples, held-out {len(eval_samples)}, device {device}, {settings.dtype}")
+        f"params) on {len(train_samples)} samples ({corpus} teacher-forced), held-out {len(eval_samples)}, device {device}, "
+        f"{settings.dtype}")
     if not history["eval"]:
         history["eval"].append({"step": step, **evaluate(heads, eval_samples, parts, settings, device)})
 
