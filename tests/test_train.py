@@ -633,3 +633,8 @@ def test_heads_trained_on_corpus_text_only_agree_with_the_target_on_its_own_answ
     parts = FrozenTargetParts.from_target(counter).to(dtype=torch.float32)
     result = evaluate(heads, own, parts, settings, torch.device("cpu"))
     assert result["top1"][0] > AGREEMENT_LIMIT and result["top1"][1] > AGREEMENT_LIMIT, result["top1"]
+    # on the corpus, rows whose context leaves the greedy path (after a random character) cannot be
+    # predicted: the greedy-path agreement is what drafting sees, and clearly higher
+    on_corpus = evaluate(heads, corpus_samples, parts, settings, torch.device("cpu"))
+    assert on_corpus["top1_greedy_path"][0] > AGREEMENT_LIMIT, on_corpus
+    assert on_corpus["top1_greedy_path"][0] > on_corpus["top1"][0] + 0.05, on_corpus

@@ -196,6 +196,8 @@ def run_heads_training(args) -> int:
     result = train(heads, target, samples, out, settings, target_description(target), {"data": data_info},
                    resume=args.resume, progress=not args.no_progress, log=log)
     top1 = ", ".join(f"head {k + 1}: {acc:.3f}" for k, acc in enumerate(result.eval["top1"]))
-    print(f"{kind}: {result.steps} steps in {result.elapsed_s / 60:.1f} min; held-out top-1 agreement {top1}; "
+    on_path = ", ".join(f"{acc:.3f}" for acc in result.eval["top1_greedy_path"])
+    print(f"{kind}: {result.steps} steps in {result.elapsed_s / 60:.1f} min; held-out top-1 agreement {top1} "
+          f"(rows on the target's greedy path: {on_path}); "
           f"checkpoint {out} (plot {out / 'training.png'})")
     return 0
