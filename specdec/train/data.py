@@ -118,23 +118,20 @@ def _read_prompts(path: Path) -> list[PromptItem]:
     return [PromptItem(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _new_manifest(target, settings: DataSettings, prompts: list[PromptItem], num_shards: int) -> dict:
-    counts = {name: sum(1 for p in prompts if p.source == name) for name in SOURCES}
+def _new_manifest(target, settings, kind: str, sources: dict, generated_text_licence: str, num_items: int,
+                  num_shards: int) -> dict:
     return {
         "format": DATA_FORMAT,
         "format_version": DATA_VERSION,
-        "kind": SELF_DISTILLED,
+        "kind": kind,
         "target": target_description(target),
         "settings": asdict(settings),
         "hidden_size": target.hidden_size,
         "hidden_dtype": "float16",
         "chat_template": bool(getattr(target.tokenizer, "chat_template", None)),
-        "sources": {
-            name: {"description": SOURCES[name].description, "licence": SOURCES[name].licence, "prompts": count}
-            for name, count in counts.items() if count
-        },
-        "generated_text_licence": GENERATED_TEXT_LICENCE,
-        "num_prompts": len(prompts),
+        "sources": sources,
+        "generated_text_licence": generated_text_licence,
+        "num_prompts": num_items,
         "num_shards": num_shards,
         "shards": {},
         "complete": False,
@@ -175,7 +172,10 @@ def _open_or_create(target, out_dir: Path, settings: DataSettings, prompts: list
     tmp.write_text("".join(json.dumps(asdict(p)) + "\n" for p in prompts))
     tmp.replace(out_dir / PROMPTS_FILE)
     num_shards = -(-len(prompts) // settings.shard_size)
-    manifest = _new_manifest(target, settings, prompts, num_shards)
+    counts = {name: sum(1 for p in prompts if p.source == name) for name in SOURCES}
+    sources = {name: {"description": SOURCES[name].description, "licence": SOURCES[name].licence, "prompts": count}
+               for name, count in counts.items() if count}
+    manifest = _new_manifest(target, settings, SELF_DISTILLED, sources, GENERATED_TEXT_LICENCE, len(prompts), num_shards)
     _write_json_atomic(manifest_path, manifest)
     return manifest, prompts
 
@@ -262,6 +262,7 @@ def build_dataset(
         f"{settings.max_new_tokens} tokens, layers {settings.layers} (fp16, hidden {target.hidden_size}): "
         f"at most {estimate / 2**20:.1f} MiB; {len(done)} shards already done"
     )
+
     def answer(indices: list[int]) -> tuple[list[Sample], list[bool]]:
         decodings = [settings.decoding_for(index) for index in indices]
         samples = _answer_shard(target, [prompt_ids[index] for index in indices], decodings, settings)
@@ -424,25 +425,11 @@ def build_corpus_dataset(
             )
     else:
         out_dir.mkdir(parents=True, exist_ok=True)
-        roots = sorted({str(Path(p).resolve()) for p in paths})
-        manifest = {
-            "format": DATA_FORMAT,
-            "format_version": DATA_VERSION,
-            "kind": TEACHER_FORCED,
-            "target": target_description(target),
-            "settings": asdict(settings),
-            "hidden_size": target.hidden_size,
-            "hidden_dtype": "float16",
-            "chat_template": bool(getattr(target.tokenizer, "chat_template", None)),
-            "sources": {"corpus": {"description": f"{len(files)} text files under {', '.join(roots)}, teacher-forced",
-                                   "licence": settings.licence, "chunks": len(chunks)}},
-            "generated_text_licence": "no generated text: the answers are the corpus files' own text",
-            "num_prompts": len(chunks),
-            "num_shards": num_shards,
-            "shards": {},
-            "complete": False,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        }
+        roots = sorted({str(Path(p).resolve() if Path(p).is_dir() else Path(p).resolve().parent) for p in paths})
+        sources = {"corpus": {"description": f"{len(files)} text files under {', '.join(roots)}, teacher-forced",
+                              "licence": settings.licence, "chunks": len(chunks)}}
+        manifest = _new_manifest(target, settings, TEACHER_FORCED, sources,
+                                 "no generated text: the answers are the corpus files' own text", len(chunks), num_shards)
         _write_json_atomic(manifest_path, manifest)
     prompt_ids = target.encode_prompt(settings.instruction)
     tokens = sum(len(chunk) + len(prompt_ids) for chunk in chunks)
