@@ -512,6 +512,21 @@ def test_cli_end_to_end_on_tiny_model(tiny_dirs, tmp_path):
     assert main(resume_args) == 0
     assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["training"]["steps"] == 8
 
+    # teacher-forced text as a second --data directory
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "notes.md").write_text("speculative decoding drafts tokens and the target verifies them. " * 8)
+    text = str(tmp_path / "text")
+    assert main(["train", "data", "--model", model_dir, "--out", text, "--corpus", str(corpus), "--chunk-tokens", "64",
+                 "--corpus-licence", "CC0", "--no-progress"]) == 0
+    text_manifest = json.loads((tmp_path / "text" / "manifest.json").read_text())
+    assert text_manifest["kind"] == "teacher-forced" and text_manifest["sources"]["corpus"]["licence"] == "CC0"
+    both = ["train", "medusa", "--model", model_dir, "--data", data, "--data", text, "--out", str(tmp_path / "medusa"),
+            "--num-heads", "2", "--steps", "3", "--batch-size", "2", "--loss-rows", "32", "--no-progress"]
+    assert main(both) == 0
+    used = json.loads((tmp_path / "medusa" / "config.json").read_text())["data"]
+    assert [d["kind"] for d in used] == ["self-distilled", "teacher-forced"] and used[1]["samples"] == text_manifest["num_prompts"]
+
 
 # ---------------------------------------------------------------------------- teacher-forced corpus data
 def cycle_text(start: int, length: int) -> str:
