@@ -142,7 +142,7 @@ def _new_manifest(target, settings, kind: str, sources: dict, generated_text_lic
 def read_manifest(directory: str | Path) -> dict:
     path = Path(directory) / MANIFEST_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{directory} holds no self-distillation data ({MANIFEST_FILE} missing); run `specdec train data`")
+        raise FileNotFoundError(f"{directory} holds no training data ({MANIFEST_FILE} missing); run `specdec train data`")
     manifest = json.loads(path.read_text())
     if manifest.get("format") != DATA_FORMAT or manifest.get("format_version") != DATA_VERSION:
         raise ValueError(f"{path} is not specdec self-distillation data v{DATA_VERSION}")
