@@ -586,9 +586,8 @@ def test_corpus_data_is_the_targets_forward_over_the_text_and_resumes(counter, t
         assert torch.allclose(sample.hidden[counter.num_layers].float(), hiddens[counter.num_layers][0], atol=1e-2)
         assert torch.equal(sample.target_next, logits[0].argmax(-1))
     # corpus samples train, never hold out (when self-distilled samples are there to hold out)
-    own = [s for s in samples[:5]]
-    for s in own:
-        s.teacher_forced = False
+    for sample in samples[:5]:  # five stand in for the target's own answers
+        sample.teacher_forced = False
     train_part, held_out = split_samples(samples, 0.1)
     assert not any(s.teacher_forced for s in held_out) and len(train_part) + len(held_out) == len(samples)
 

@@ -327,8 +327,10 @@ def split_samples(samples: list[Sample], eval_fraction: float) -> tuple[list[Sam
     """(train, held-out): the last ceil(fraction * n) self-distilled samples are held out (at least
     one when n >= 2); teacher-forced samples only ever train (held-out agreement is measured on
     the target's own answers, what drafting sees). Only teacher-forced data: held out from those."""
-    own = [s for s in samples if not s.teacher_forced] or samples
-    corpus = [s for s in samples if s.teacher_forced] if own is not samples else []
+    own = [s for s in samples if not s.teacher_forced]
+    corpus = [s for s in samples if s.teacher_forced]
+    if not own:
+        own, corpus = corpus, []
     if len(own) < 2 or eval_fraction <= 0:
         return corpus + own, own[-1:]  # too little data to hold any out: evaluate on the last sample
     num_eval = max(1, math.ceil(eval_fraction * len(own)))
