@@ -190,7 +190,8 @@ def run_heads_training(args) -> int:
         warmup_steps=args.warmup_steps, dtype=dtype, max_seq_len=args.max_seq_len,
         loss_rows=args.loss_rows or (DEFAULT_LOSS_ROWS_CUDA if device.startswith("cuda") else DEFAULT_LOSS_ROWS_CPU),
         head_decay=args.head_decay, feature_weight=args.feature_weight, prompt_rows=args.prompt_rows,
-        greedy_path_rows=not args.all_rows, softmax_negatives=args.softmax_negatives, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed, device=device,
+        greedy_path_rows=not args.all_rows, softmax_negatives=args.softmax_negatives, eval_every=args.eval_every,
+        save_every=args.save_every, seed=args.seed, device=device,
     )
     log = lambda message: print(message, file=sys.stderr)  # noqa: E731
     result = train(heads, target, samples, out, settings, target_description(target), {"data": data_info},

@@ -24,10 +24,10 @@ On disk (`out_dir/`):
     manifest.json            target (name + fingerprint), settings, sources + licences, finished shards
 
 The manifest's "kind" says which ("self-distilled" or "teacher-forced"; older manifests have no
-kind and are self-distilled). Resumable: every shard and the manifest are written to a temp file and
-renamed; a rerun with the same settings skips the shards the manifest lists as finished. Each prompt's decoding (greedy or
-sampled, and the sampling seed) is a function of (seed, prompt index), so an interrupted and
-resumed job writes the same shards as an uninterrupted one.
+kind and are self-distilled). Resumable: every shard and the manifest are written to a temp file
+and renamed; a rerun with the same settings skips the shards the manifest lists as finished.
+Each prompt's decoding (greedy or sampled, and the sampling seed) is a function of (seed, prompt
+index), so an interrupted and resumed job writes the same shards as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -74,10 +74,7 @@ class DataSettings:
     prompt_weights: dict[str, float] = field(default_factory=lambda: {"self-instruct": 0.4, "python-docs": 0.3, "code-tasks": 0.3})
 
     def validate(self, target) -> None:
-        for name in ("num_prompts", "max_new_tokens", "shard_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        _check_positive_ints(self, ("num_prompts", "max_new_tokens", "shard_size"))
         if not 0.0 <= self.sampled_fraction <= 1.0:
             raise ValueError(f"sampled_fraction must be in [0, 1], got {self.sampled_fraction!r}")
         self.layers = resolve_layers(self.layers, target)
@@ -89,6 +86,13 @@ class DataSettings:
         if draw < self.sampled_fraction:
             return SamplingParams(self.temperature, 0, self.top_p, seed=self.seed * 1_000_003 + prompt_index)
         return SamplingParams()
+
+
+def _check_positive_ints(settings, names) -> None:
+    for name in names:
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def default_layers(target) -> list[int]:
@@ -145,7 +149,7 @@ def read_manifest(directory: str | Path) -> dict:
         raise FileNotFoundError(f"{directory} holds no training data ({MANIFEST_FILE} missing); run `specdec train data`")
     manifest = json.loads(path.read_text())
     if manifest.get("format") != DATA_FORMAT or manifest.get("format_version") != DATA_VERSION:
-        raise ValueError(f"{path} is not specdec self-distillation data v{DATA_VERSION}")
+        raise ValueError(f"{path} is not specdec training data v{DATA_VERSION}")
     return manifest
 
 
@@ -317,15 +321,10 @@ class CorpusSettings:
     corpus_digest: str = ""  # sha256 of the chunks' token ids (filled in by build_corpus_dataset)
 
     def validate(self, target) -> None:
-        for name in ("chunk_tokens", "shard_size", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        optional = ("max_chunks",) if self.max_chunks is not None else ()
+        _check_positive_ints(self, ("chunk_tokens", "shard_size", "batch_size", *optional))
         if self.chunk_tokens < MIN_CHUNK_TOKENS:
             raise ValueError(f"chunk_tokens must be >= {MIN_CHUNK_TOKENS}, got {self.chunk_tokens}")
-        if self.max_chunks is not None and (isinstance(self.max_chunks, bool) or not isinstance(self.max_chunks, int)
-                                            or self.max_chunks < 1):
-            raise ValueError(f"max_chunks must be an integer >= 1, got {self.max_chunks!r}")
         if not self.instruction.strip():
             raise ValueError("the instruction (the user turn before each chunk) must not be empty")
         self.layers = resolve_layers(self.layers, target)

@@ -222,6 +222,11 @@ class DraftHeads(nn.Module):
     # committed when it drafts); the trainer's greedy-path rows start after them
     tokens_read_ahead: ClassVar[int] = 0
 
+    @property
+    def greedy_path_from(self) -> int:
+        """The first token after the input position this module cannot see (trainer.label_rows' greedy_from)."""
+        return self.tokens_read_ahead + 1
+
     def __init__(self, input_layer: int, num_positions: int):
         super().__init__()
         if isinstance(num_positions, bool) or not isinstance(num_positions, int) or num_positions < 1:

@@ -223,7 +223,7 @@ def heads_loss(heads: DraftHeads, batch: Batch, parts: FrozenTargetParts, settin
                generator: torch.Generator, vocab: SampledVocab | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weighted loss, correct [K], counted [K]) on at most `settings.loss_rows` random label rows."""
     features = heads(batch.hidden, batch.tokens, batch.positions, parts)  # [K, B, T, H]
-    greedy_from = heads.tokens_read_ahead + 1 if settings.greedy_path_rows else None
+    greedy_from = heads.greedy_path_from if settings.greedy_path_rows else None
     rows, labels = label_rows(batch, heads.num_positions, settings.prompt_rows, greedy_from)
     if rows.shape[0] > settings.loss_rows:
         pick = torch.randperm(rows.shape[0], generator=generator)[: settings.loss_rows].to(rows.device)
@@ -265,7 +265,7 @@ def evaluate(heads: DraftHeads, samples: list[Sample], parts: FrozenTargetParts,
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.dtype == "bf16"):
             features = heads(batch.hidden, batch.tokens, batch.positions, parts)  # [K, 1, T, H]
             rows, labels = label_rows(batch, num_positions)
-            path_rows, _ = label_rows(batch, num_positions, greedy_from=heads.tokens_read_ahead + 1)
+            path_rows, _ = label_rows(batch, num_positions, greedy_from=heads.greedy_path_from)
             on_path = torch.zeros(num_positions, batch.tokens.shape[1], dtype=torch.bool, device=rows.device)  # [K, T]
             on_path[path_rows[:, 0], path_rows[:, 2]] = True
             if rows.shape[0] > per_sample:
