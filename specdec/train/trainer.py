@@ -324,18 +324,24 @@ def draft_vocab_summary(train_samples: list[Sample], eval_samples: list[Sample])
 
 
 def split_samples(samples: list[Sample], eval_fraction: float) -> tuple[list[Sample], list[Sample]]:
-    """(train, held-out): the last ceil(fraction * n) self-distilled samples are held out (at least
-    one when n >= 2); teacher-forced samples only ever train (held-out agreement is measured on
-    the target's own answers, what drafting sees). Only teacher-forced data: held out from those."""
+    """(train, held-out): ceil(fraction * n) self-distilled samples, evenly spread over them, are
+    held out (at least one when n >= 2); teacher-forced samples only ever train (held-out agreement
+    is measured on the target's own answers, what drafting sees). Only teacher-forced data: held
+    out from those.
+
+    Spread, not the last ones: the offline prompt mix is drawn from pools that run out at different
+    times, so the tail of a large job is one source only (a 1440-prompt job ends with 144 code
+    tasks) and would not be a sample of what the heads train on.
+    """
     own = [s for s in samples if not s.teacher_forced]
     corpus = [s for s in samples if s.teacher_forced]
     if not own:
         own, corpus = corpus, []
     if len(own) < 2 or eval_fraction <= 0:
         return corpus + own, own[-1:]  # too little data to hold any out: evaluate on the last sample
-    num_eval = max(1, math.ceil(eval_fraction * len(own)))
-    num_eval = min(num_eval, len(own) - 1)
-    return corpus + own[:-num_eval], own[-num_eval:]
+    num_eval = min(max(1, math.ceil(eval_fraction * len(own))), len(own) - 1)
+    held = {int((i + 0.5) * len(own) / num_eval) for i in range(num_eval)}  # the middle of each 1/num_eval slice
+    return corpus + [s for i, s in enumerate(own) if i not in held], [s for i, s in enumerate(own) if i in held]
 
 
 # ----------------------------------------------------------------------------- the loop
