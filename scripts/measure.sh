@@ -27,7 +27,7 @@ quick() {  # the quick profile: bench defaults (3 questions per kind, 128 new to
   /usr/bin/time -v $S bench --out runs/quick-smollm2 --no-progress > runs/quick-smollm2.log 2>&1
 }
 heads05() {  # trained heads next to the training-free drafters (checkpoints from `specdec train`)
-  $S bench --target qwen2.5-coder-0.5b --methods "plain,pld,suffix,lookahead,medusa:checkpoint=${MEDUSA:-/tmp/sd/ckpt-medusa3},mtp:checkpoint=${MTP:-/tmp/sd/ckpt-mtp3}" \
+  $S bench --target qwen2.5-coder-0.5b --methods "plain,pld,suffix,lookahead,medusa:checkpoint=${MEDUSA:-/tmp/sd/ckpt-medusa4},mtp:checkpoint=${MTP:-/tmp/sd/ckpt-mtp4}" \
     --limit-per-category 1 --max-new-tokens 64 --out runs/heads-qwen05 --no-progress > runs/heads-qwen05.log 2>&1
 }
 load05() {  # serving: per-user and total tokens/s at 1, 2, 4, 8 users, plain vs pld (auto)
