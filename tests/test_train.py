@@ -481,6 +481,25 @@ def test_reduced_draft_vocabulary_limits_proposals_and_stays_lossless(counter, t
         drafter_for(kind, counter, checkpoint=checkpoint, draft_vocab=-1)
 
 
+def test_eval_by_source_pools_to_the_same_agreement_as_one_eval(counter, trained, counter_data):
+    from specdec.train.heads import FrozenTargetParts
+    from specdec.train.trainer import evaluate, evaluate_by_source
+
+    heads = trained["medusa"][2]
+    _, samples = load_samples(counter_data, [heads.input_layer], counter)
+    assert {s.source for s in samples} == {"self-instruct"}  # read from the data's prompts.jsonl
+    for index, sample in enumerate(samples):  # three made-up sources of unequal size
+        sample.source = ["a", "b", "b", "c"][index % 4]
+    parts = FrozenTargetParts.from_target(counter)
+    settings = TrainSettings(steps=1, eval_rows=10**9)  # every row: the pooled rate is the one-pass rate
+    by_source = evaluate_by_source(heads, samples, parts, settings, torch.device("cpu"))
+    whole = evaluate(heads, samples, parts, settings, torch.device("cpu"))
+    assert list(by_source) == ["a", "b", "c", "all"] and [by_source[n]["samples"] for n in "abc"] == [4, 8, 4]
+    assert by_source["all"]["rows"] == whole["rows"] and by_source["all"]["rows_greedy_path"] == whole["rows_greedy_path"]
+    assert by_source["all"]["top1"] == pytest.approx(whole["top1"], abs=1e-6)
+    assert by_source["all"]["top1_greedy_path"] == pytest.approx(whole["top1_greedy_path"], abs=1e-6)
+
+
 def test_wrong_target_checkpoint_is_rejected(counter, trained, counter_data, tmp_path):
     other = make_counter_target(tmp_path / "other", seed=1)
     for kind in HEAD_SETUPS:
@@ -509,7 +528,7 @@ def test_best_first_tree_is_prefix_closed_and_greedy():
         assert all(len(path) == 1 or path[:-1] in kept for path in kept)
 
 
-def test_cli_end_to_end_on_tiny_model(tiny_dirs, tmp_path):
+def test_cli_end_to_end_on_tiny_model(tiny_dirs, tmp_path, capsys):
     from specdec.cli import main
 
     model_dir = str(tiny_dirs["llama"][0])
@@ -528,6 +547,12 @@ def test_cli_end_to_end_on_tiny_model(tiny_dirs, tmp_path):
     resume_args = [arg if arg != "5" else "8" for arg in train_args] + ["--resume"]
     assert main(resume_args) == 0
     assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["training"]["steps"] == 8
+    capsys.readouterr()
+    assert main(["train", "eval", "--model", model_dir, "--checkpoint", ckpt, "--data", data]) == 0
+    report = capsys.readouterr().out.splitlines()
+    held_out_source = json.loads((tmp_path / "data" / "prompts.jsonl").read_text().splitlines()[1])["source"]
+    assert "1 held-out answers" in report[0] and [line.split()[0] for line in report[1:]] == [held_out_source, "all"]
+    assert main(["train", "eval", "--model", model_dir, "--checkpoint", ckpt, "--data", data, "--max-rows", "-1"]) == 2
 
     # teacher-forced text as a second --data directory
     corpus = tmp_path / "corpus"

@@ -116,6 +116,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "num_positions": getattr(args, MTP_FLAVOURS[args.flavour][1])}))
 
 
+    evaluate = sub.add_parser("eval", help="a checkpoint's agreement with the target on the held-out part of training data")
+    evaluate.add_argument("--model", required=True, help="the target the checkpoint was trained for")
+    evaluate.add_argument("--checkpoint", required=True, help="a directory written by `specdec train medusa|mtp`")
+    evaluate.add_argument("--data", action="append", required=True,
+                          help="training data directories, as given to the trainer (its held-out split is used)")
+    evaluate.add_argument("--max-rows", type=int, default=0,
+                          help="label rows per prompt source, spread over its answers (0 = every row)")
+    evaluate.set_defaults(train_func=run_eval)
+
+
 def run_train(args) -> int:
     return int(args.train_func(args) or 0)
 
@@ -149,6 +159,33 @@ def run_data(args) -> int:
     shards = manifest["shards"].values()
     print(f"{sum(s['samples'] for s in shards)} samples, {sum(s['answer_tokens'] for s in shards)} answer tokens, "
           f"{sum(s['bytes'] for s in shards) / 2**20:.1f} MiB in {args.out} (complete: {manifest['complete']})")
+    return 0
+
+
+def run_eval(args) -> int:
+    import torch
+
+    from .data import load_samples
+    from .heads import FrozenTargetParts, load_checkpoint
+    from .trainer import TrainSettings, evaluate_by_source, split_samples
+
+    if args.max_rows < 0:
+        raise ValueError(f"--max-rows must be >= 0 (0 = every row), got {args.max_rows}")
+    target = _load_target(args.model)
+    heads, config = load_checkpoint(args.checkpoint, target)
+    trained = config.get("training", {}).get("settings", {})
+    samples = [s for directory in args.data for s in load_samples(directory, [heads.input_layer], target)[1]]
+    _, held_out = split_samples(samples, trained.get("eval_fraction", TrainSettings.eval_fraction))
+    settings = TrainSettings(steps=1, max_seq_len=trained.get("max_seq_len", TrainSettings.max_seq_len),
+                             eval_rows=args.max_rows or 2**62)
+    parts = FrozenTargetParts.from_target(target).to(dtype=torch.float32)
+    results = evaluate_by_source(heads.float(), held_out, parts, settings, torch.device("cpu"))
+    print(f"{args.checkpoint}: {len(held_out)} held-out answers (the trainer's split of {len(samples)} samples); "
+          f"top-1 agreement with the target per head position (rows on the target's greedy path)")
+    for name, result in results.items():
+        rates = " / ".join(f"{rate:.3f}" for rate in result["top1"])
+        on_path = " / ".join(f"{rate:.3f}" for rate in result["top1_greedy_path"])
+        print(f"  {name:<16} {result['samples']:>5} answers {result['rows'][0]:>7} rows   {rates}   ({on_path})")
     return 0
 
 

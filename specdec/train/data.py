@@ -197,6 +197,7 @@ class Sample:
     num_prompt_tokens: int
     target_next: torch.Tensor  # [T] long: the target's top-1 token after position t (its greedy choice for t + 1)
     teacher_forced: bool = False  # the answer is corpus text, not the target's own (training only, never held out)
+    source: str = ""  # the prompt's source (prompts.jsonl; "corpus" for teacher-forced text): per-source eval
 
 
 def _answer_shard(target, prompt_ids: list[list[int]], decodings: list[SamplingParams], settings: DataSettings) -> list[Sample]:
@@ -473,6 +474,14 @@ def _upgrade_shard(path: Path, tensors: dict, target, top_layer: int) -> dict:
     return tensors
 
 
+def _source_of(prompt_sources: list[str], shard_tensors: dict, row: int) -> str:
+    """The prompt source of a shard's row-th sample ("" when the data does not say)."""
+    indices = shard_tensors.get("prompt_index")
+    if indices is None or not prompt_sources:
+        return ""
+    return prompt_sources[int(indices[row])]
+
+
 def load_samples(directory: str | Path, layers: list[int], target=None) -> tuple[dict, list[Sample]]:
     """(manifest, samples of every finished shard in prompt order); checks the target when given.
 
@@ -487,6 +496,8 @@ def load_samples(directory: str | Path, layers: list[int], target=None) -> tuple
     if missing:
         raise ValueError(f"data in {directory} has hidden layers {manifest['settings']['layers']}, but these heads need {missing}")
     teacher_forced = manifest.get("kind") == TEACHER_FORCED
+    prompts_file = directory / PROMPTS_FILE
+    prompt_sources = [item.source for item in _read_prompts(prompts_file)] if prompts_file.is_file() else []
     samples: list[Sample] = []
     for shard in sorted(manifest["shards"], key=int):
         path = directory / manifest["shards"][shard]["file"]
@@ -501,6 +512,7 @@ def load_samples(directory: str | Path, layers: list[int], target=None) -> tuple
                 num_prompt_tokens=int(tensors["prompt_lengths"][i]),
                 target_next=tensors[TARGET_NEXT_KEY][start:stop].long(),
                 teacher_forced=teacher_forced,
+                source="corpus" if teacher_forced else _source_of(prompt_sources, tensors, i),
             ))
     if not samples:
         raise ValueError(f"data in {directory} has no finished shards yet; run (or resume) `specdec train data`")

@@ -294,7 +294,31 @@ def evaluate(heads: DraftHeads, samples: list[Sample], parts: FrozenTargetParts,
         "top1_greedy_path": (path_hits / path_counted.clamp(min=1)).tolist(),
         "rank_acc": rank_acc,  # [K][r]: share of labels that are the head's rank-r candidate
         "rows": counted.long().tolist(),
+        "rows_greedy_path": path_counted.long().tolist(),
     }
+
+
+def evaluate_by_source(heads: DraftHeads, samples: list[Sample], parts: FrozenTargetParts, settings: TrainSettings,
+                       device) -> dict[str, dict]:
+    """evaluate() on each prompt source's samples (Sample.source), plus "all": their rows pooled
+    (top-1 agreement over every evaluated row, so long answers weigh more than in evaluate())."""
+    groups: dict[str, list[Sample]] = {}
+    for sample in samples:
+        groups.setdefault(sample.source or "unknown", []).append(sample)
+    results = {name: evaluate(heads, group, parts, settings, device) for name, group in sorted(groups.items())}
+
+    def pooled(rate_key: str, rows_key: str) -> tuple[list[float], list[int]]:
+        rows = [sum(r[rows_key][k] for r in results.values()) for k in range(heads.num_positions)]
+        hits = [sum(r[rate_key][k] * r[rows_key][k] for r in results.values()) for k in range(heads.num_positions)]
+        return [h / max(1, n) for h, n in zip(hits, rows)], rows
+
+    top1, rows = pooled("top1", "rows")
+    on_path, path_rows = pooled("top1_greedy_path", "rows_greedy_path")
+    results["all"] = {"top1": top1, "rows": rows, "top1_greedy_path": on_path, "rows_greedy_path": path_rows}
+    for name, group in groups.items():
+        results[name]["samples"] = len(group)
+    results["all"]["samples"] = len(samples)
+    return results
 
 
 WARMUP_FRACTION = 0.05  # warmup also ends once this share of the horizon has passed (short timed runs)
