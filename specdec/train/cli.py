@@ -162,10 +162,26 @@ def run_data(args) -> int:
     return 0
 
 
+def _load_data(directories: list[str], layers: list[int], target) -> tuple[list, list[dict]]:
+    """(samples of every --data directory in the order given, what each directory is: for the checkpoint config)."""
+    from .data import load_samples
+
+    samples, data_info = [], []
+    for directory in directories:
+        manifest, loaded = load_samples(directory, layers, target)
+        if not manifest.get("complete"):
+            print(f"note: {directory} is incomplete ({len(manifest['shards'])}/{manifest['num_shards']} shards); "
+                  "using the finished shards", file=sys.stderr)
+        samples.extend(loaded)
+        data_info.append({"dir": str(Path(directory).resolve()), "kind": manifest.get("kind", "self-distilled"),
+                          "samples": len(loaded), "sources": manifest["sources"],
+                          "generated_text_licence": manifest["generated_text_licence"]})
+    return samples, data_info
+
+
 def run_eval(args) -> int:
     import torch
 
-    from .data import load_samples
     from .heads import FrozenTargetParts, load_checkpoint
     from .trainer import TrainSettings, evaluate_by_source, split_samples
 
@@ -174,7 +190,7 @@ def run_eval(args) -> int:
     target = _load_target(args.model)
     heads, config = load_checkpoint(args.checkpoint, target)
     trained = config.get("training", {}).get("settings", {})
-    samples = [s for directory in args.data for s in load_samples(directory, [heads.input_layer], target)[1]]
+    samples, _ = _load_data(args.data, [heads.input_layer], target)
     _, held_out = split_samples(samples, trained.get("eval_fraction", TrainSettings.eval_fraction))
     settings = TrainSettings(steps=1, max_seq_len=trained.get("max_seq_len", TrainSettings.max_seq_len),
                              eval_rows=args.max_rows or 2**62)
@@ -198,7 +214,6 @@ def _resolve_device_and_dtype(args) -> tuple[str, str]:
 
 
 def run_heads_training(args) -> int:
-    from .data import load_samples
     from .heads import CONFIG_FILE, build_heads, target_description
     from .trainer import STATE_FILE, TrainSettings, train
 
@@ -210,16 +225,7 @@ def run_heads_training(args) -> int:
     target = _load_target(args.model)
     heads = build_heads(kind, target, **options)
     layers = sorted({heads.input_layer, target.num_layers} if args.feature_weight > 0 else {heads.input_layer})
-    samples, data_info = [], []
-    for directory in args.data:
-        manifest, loaded = load_samples(directory, layers, target)
-        if not manifest.get("complete"):
-            print(f"note: {directory} is incomplete ({len(manifest['shards'])}/{manifest['num_shards']} shards); "
-                  "training on the finished shards", file=sys.stderr)
-        samples.extend(loaded)
-        data_info.append({"dir": str(Path(directory).resolve()), "kind": manifest.get("kind", "self-distilled"),
-                          "samples": len(loaded), "sources": manifest["sources"],
-                          "generated_text_licence": manifest["generated_text_licence"]})
+    samples, data_info = _load_data(args.data, layers, target)
     minutes = args.minutes if (args.minutes is not None or args.steps is not None) else DEFAULT_MINUTES
     settings = TrainSettings(
         steps=args.steps, minutes=minutes, lr=args.lr or DEFAULT_LR[kind],
