@@ -23,7 +23,7 @@ from specdec.drafters.medusa import MedusaDrafter, best_first_choices
 from specdec.drafters.mtp import MTPDrafter
 from specdec.models.llama import load_native
 from specdec.train import DataSettings, TrainSettings, build_dataset, build_heads, load_checkpoint, load_samples, train
-from specdec.train.heads import target_description
+from specdec.heads import target_description
 from specdec.train.prompts import SOURCES, PromptItem, mixed_prompts
 from specdec.verify import VerifyResult
 
@@ -189,7 +189,7 @@ def test_training_loss_falls_below_limit(trained, kind):
 
 
 def test_sampled_vocab_covers_labels_and_scores_like_the_full_head(counter, counter_data):
-    from specdec.train.heads import FrozenTargetParts
+    from specdec.heads import FrozenTargetParts
     from specdec.train.trainer import SampledVocab
 
     _, samples = load_samples(counter_data, [counter.num_layers], counter)
@@ -273,7 +273,7 @@ def test_label_rows_use_the_targets_choice_and_prompt_rows_widen_them():
 def test_feature_loss_is_smooth_l1_to_the_targets_top_hidden(counter, counter_data):
     import torch.nn.functional as F
 
-    from specdec.train.heads import FrozenTargetParts
+    from specdec.heads import FrozenTargetParts
     from specdec.train.trainer import heads_loss, label_rows, make_batch
 
     heads = build_heads("medusa", counter, 1)
@@ -320,7 +320,7 @@ def test_trainer_resume_continues_exactly(counter, counter_data, tmp_path):
 @torch.no_grad()
 def test_mtp_training_pass_matches_the_drafting_computation(counter, counter_data):
     """The unrolled training forward must compute exactly what the drafter computes step by step."""
-    from specdec.train.heads import FrozenTargetParts
+    from specdec.heads import FrozenTargetParts
 
     parts = FrozenTargetParts.from_target(counter)
     torch.manual_seed(0)
@@ -482,7 +482,7 @@ def test_reduced_draft_vocabulary_limits_proposals_and_stays_lossless(counter, t
 
 
 def test_eval_by_source_pools_to_the_same_agreement_as_one_eval(counter, trained, counter_data):
-    from specdec.train.heads import FrozenTargetParts
+    from specdec.heads import FrozenTargetParts
     from specdec.train.trainer import evaluate, evaluate_by_source
 
     heads = trained["medusa"][2]
@@ -674,7 +674,7 @@ def test_label_rows_keep_only_rows_on_the_targets_greedy_path():
 
 def test_heads_trained_on_corpus_text_only_agree_with_the_target_on_its_own_answers(counter, counter_data, tmp_path):
     from specdec.train import build_corpus_dataset
-    from specdec.train.heads import FrozenTargetParts
+    from specdec.heads import FrozenTargetParts
     from specdec.train.trainer import evaluate
 
     corpus = write_corpus(tmp_path / "corpus", seed=1)

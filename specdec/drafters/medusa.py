@@ -2,7 +2,7 @@
 
 Head k (k = 1..K) reads the hidden state of the newest cached token t (layer num_layers, after
 the final norm; the root t + 1 is committed but not cached yet) and predicts token t + k + 1,
-i.e. draft depth k (specdec.train.heads, LABEL_CONVENTION). One proposal = one pass of the K
+i.e. draft depth k (specdec.heads, LABEL_CONVENTION). One proposal = one pass of the K
 small heads + the frozen LM head, no extra target forward.
 
 The proposal is a STATIC tree from a Medusa-style choice list: a node at depth d with rank r takes
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from ..draft import Draft, TreeTemplate, tree_template_from_choices
-from ..train.heads import DraftVocab, FrozenTargetParts, MedusaHeads, load_checkpoint
+from ..heads import DraftVocab, FrozenTargetParts, MedusaHeads, load_checkpoint
 from .base import DraftContext, Drafter, register_drafter
 
 DEFAULT_TREE_NODES = 16

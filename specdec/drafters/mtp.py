@@ -1,6 +1,6 @@
 """Multi-token-prediction drafting (`mtp`) with trained heads on the frozen target.
 
-The checkpoint decides the flavour (specdec.train.heads):
+The checkpoint decides the flavour (specdec.heads):
 
 * `mtp-parallel` (Gloeckle et al.): K transformer-block heads on one shared trunk state (the input
   of the target's last block). Each head keeps a small KV cache over the committed positions, fed
@@ -31,7 +31,7 @@ import torch
 
 from ..draft import Draft
 from ..sampling import sample_from_probs, warp_logits_to_probs
-from ..train.heads import DraftVocab, FrozenTargetParts, MTPParallelHeads, MTPSequentialModule, grow_cache, load_checkpoint
+from ..heads import DraftVocab, FrozenTargetParts, MTPParallelHeads, MTPSequentialModule, grow_cache, load_checkpoint
 from .base import DraftContext, Drafter, register_drafter
 from .medusa import DEFAULT_DRAFT_VOCAB, DEFAULT_TREE_NODES, build_choice_tree, draft_from_candidates, heads_cost_tokens, top_candidates
 

@@ -139,7 +139,7 @@ def random_native_target(config_name: str):
     """A native Qwen2 target with the named model's shapes and random weights (nothing downloaded)."""
     from transformers import AutoConfig
 
-    from ..models.llama import LlamaModel, NativeTarget, _rope_inv_freq
+    from ..models.llama import LlamaModel, NativeTarget, rope_inv_freq
 
     cfg = AutoConfig.for_model(
         "qwen2", vocab_size=151936, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
@@ -152,7 +152,7 @@ def random_native_target(config_name: str):
         for param in model.parameters():
             param.normal_(0, 0.02)
     model.lm_head.weight = model.model.embed_tokens.weight
-    inv_freq, model.attention_scaling = _rope_inv_freq(cfg)
+    inv_freq, model.attention_scaling = rope_inv_freq(cfg)
     model.inv_freq = inv_freq
     return NativeTarget(model, tokenizer=None, name=f"random-{config_name}")
 

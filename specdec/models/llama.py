@@ -23,6 +23,13 @@ from .base import Target
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # normalise in fp32 like the reference implementation, then cast back
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -30,10 +37,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32 like the reference implementation, then cast back
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
+    """positions [B, T] -> rotary (cos, sin) [B, 1, T, D] in `dtype` (the table stays fp32)."""
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -136,25 +147,27 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def block_flags(cfg) -> tuple[bool, bool]:
+    """(qk_norm, qkv_bias) of a block of this model type."""
+    return cfg.model_type == "qwen3", cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"native runtime supports {SUPPORTED_MODEL_TYPES}, not {cfg.model_type!r}")
-        qk_norm = cfg.model_type == "qwen3"
-        qkv_bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+        qk_norm, qkv_bias = block_flags(cfg)
         self.config = cfg
         self.model = Backbone(cfg, qk_norm, qkv_bias)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if getattr(cfg, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
-        inv_freq, self.attention_scaling = _rope_inv_freq(cfg)
+        inv_freq, self.attention_scaling = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2]
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+        return rotary_cos_sin(positions, self.inv_freq, self.attention_scaling, dtype)  # [B, 1, T, D] each
 
     @torch.inference_mode()
     def forward(
@@ -199,7 +212,7 @@ class LlamaModel(nn.Module):
         return logits, hiddens
 
 
-def _rope_inv_freq(cfg) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(cfg) -> tuple[torch.Tensor, float]:
     """Inverse frequencies via transformers' own rope table (default, llama3, yarn, ...)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -278,7 +291,7 @@ def load_native(
         raise ValueError(f"checkpoint in {model_dir} does not fit {cfg.model_type}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if getattr(cfg, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
-    inv_freq, model.attention_scaling = _rope_inv_freq(cfg)
+    inv_freq, model.attention_scaling = rope_inv_freq(cfg)
     model.inv_freq = inv_freq
     linear_info = fast_linear_modules(model, backend=linear)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

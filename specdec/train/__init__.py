@@ -5,12 +5,13 @@
     specdec train medusa --model NAME --data DIR --out CKPT
     specdec train mtp    --model NAME --data DIR --out CKPT --flavour parallel|sequential
 
-Modules: prompts (offline prompt sources), data (generation + reading), heads (the trainable
-modules, shared with the `medusa` / `mtp` drafters, and checkpoints), trainer (the loop), cli.
+Modules: prompts (offline prompt sources), data (generation + reading), trainer (the loop), cli.
+The trainable modules and their checkpoints live on the model side, in specdec.heads (shared with
+the `medusa` / `mtp` drafters).
 """
 
 from .data import CorpusSettings, DataSettings, build_corpus_dataset, build_dataset, load_samples
-from .heads import HEAD_TYPES, FrozenTargetParts, build_heads, load_checkpoint, save_checkpoint, target_fingerprint
+from ..heads import HEAD_TYPES, FrozenTargetParts, build_heads, load_checkpoint, save_checkpoint, target_fingerprint
 from .trainer import TrainSettings, train
 
 __all__ = [

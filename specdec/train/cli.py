@@ -182,7 +182,7 @@ def _load_data(directories: list[str], layers: list[int], target) -> tuple[list,
 def run_eval(args) -> int:
     import torch
 
-    from .heads import FrozenTargetParts, load_checkpoint
+    from ..heads import FrozenTargetParts, load_checkpoint
     from .trainer import TrainSettings, evaluate_by_source, split_samples
 
     if args.max_rows < 0:
@@ -214,7 +214,7 @@ def _resolve_device_and_dtype(args) -> tuple[str, str]:
 
 
 def run_heads_training(args) -> int:
-    from .heads import CONFIG_FILE, build_heads, target_description
+    from ..heads import CONFIG_FILE, build_heads, target_description
     from .trainer import STATE_FILE, TrainSettings, train
 
     out = Path(args.out)

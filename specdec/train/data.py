@@ -12,7 +12,7 @@ Two kinds, one shard format (the trainer reads both):
 For every prompt the target writes its OWN answer (its chat template, its own decoding: greedy,
 or sampled for a `sampled_fraction` of prompts) with `specdec.generate`; then ONE target forward
 over prompt + answer returns the hidden states of the chosen layers at every position. Heads are
-trained to predict the target's own tokens from those states (see heads.LABEL_CONVENTION).
+trained to predict the target's own tokens from those states (see specdec.heads.LABEL_CONVENTION).
 
 On disk (`out_dir/`):
     prompts.jsonl            the prompts (text, source), fixed at the start so a resume uses the same
@@ -20,7 +20,7 @@ On disk (`out_dir/`):
                              tokens[offsets[i]:offsets[i + 1]]), prompt_lengths int64 [n],
                              sampled uint8 [n], prompt_index int64 [n], hidden.<layer> float16 [N, H],
                              target_next int32 [N] (the target's top-1 token after each position:
-                             the label every head type learns, see heads.LABEL_CONVENTION)
+                             the label every head type learns, see specdec.heads.LABEL_CONVENTION)
     manifest.json            target (name + fingerprint), settings, sources + licences, finished shards
 
 The manifest's "kind" says which ("self-distilled" or "teacher-forced"; older manifests have no
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from ..sampling import SamplingParams
-from .heads import check_target_matches, target_description
+from ..heads import check_target_matches, target_description
 from .prompts import GENERATED_TEXT_LICENCE, SOURCES, PromptItem, mixed_prompts
 
 DATA_FORMAT = "specdec-selfdistill"
@@ -449,7 +449,7 @@ def build_corpus_dataset(
 def _target_next_from_hidden(target, top_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """argmax of the target's LM head over stored top-layer rows [N, H] -> [N] (shards written before
     `target_next` was stored; fp16 rows can flip exact near-ties, which is why new shards store it)."""
-    from .heads import FrozenTargetParts
+    from ..heads import FrozenTargetParts
 
     parts = FrozenTargetParts.from_target(target).to(dtype=torch.float32)
     with torch.inference_mode():

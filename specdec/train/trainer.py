@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import Sample
-from .heads import DraftHeads, FrozenTargetParts, rank_label_tokens, save_checkpoint
+from ..heads import DraftHeads, FrozenTargetParts, save_checkpoint
 
 STATE_FILE = "trainer_state.pt"
 HISTORY_FILE = "history.json"
@@ -332,6 +332,16 @@ def lr_factor(step: int, progress: float, settings: TrainSettings) -> float:
 
 
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384)
+
+
+def rank_label_tokens(samples) -> tuple[list[int], list[int]]:
+    """(token ids that are answer labels in `samples`, most frequent first; their counts)."""
+    labels = [s.target_next[s.num_prompt_tokens - 1 : -1] for s in samples if s.num_prompt_tokens >= 1]
+    if not labels:
+        return [], []
+    ids, counts = torch.unique(torch.cat(labels), return_counts=True)
+    order = torch.argsort(counts, descending=True, stable=True)
+    return ids[order].tolist(), counts[order].tolist()
 
 
 def draft_vocab_summary(train_samples: list[Sample], eval_samples: list[Sample]) -> dict:

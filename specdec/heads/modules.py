@@ -1,7 +1,5 @@
-"""Trainable draft heads on a FROZEN target, shared by the trainer and the drafters.
-
-The modules here are the inference modules: the trainer optimises exactly these classes and the
-`medusa` / `mtp` drafters load them from a checkpoint (no copies of the architecture anywhere).
+"""Draft head modules on a FROZEN target: the classes the `medusa` / `mtp` drafters run and the
+trainer (specdec.train) optimises.
 
 Label convention (every head type): "head position k" (k = 1..K) at sequence position t predicts
 token t + k + 1. Position k = 0 would be the target's own LM head (token t + 1), which the heads
@@ -29,8 +27,6 @@ The target's embeddings, final norm and LM head are used frozen and never saved 
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -40,23 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kv_cache import KVCache
-from ..models.llama import Block, RMSNorm, _rope_inv_freq
+from ..models.llama import Block, RMSNorm, block_flags, rms_norm, rope_inv_freq, rotary_cos_sin
 
-CHECKPOINT_FORMAT = "specdec-draft-heads"
-CHECKPOINT_VERSION = 1
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
 LABEL_CONVENTION = "head position k (1..K) at position t predicts token t + k + 1"
 
 
 # ----------------------------------------------------------------------------- frozen target parts
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The target's RMSNorm as a function (normalise in fp32, cast back, scale)."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
 @dataclass
 class FrozenTargetParts:
     """The target's embeddings, final norm and LM head, detached (no gradients, never saved)."""
@@ -145,22 +130,7 @@ class DraftVocab:
         return torch.zeros(self.vocab_size, dtype=probs.dtype, device=probs.device).index_copy_(0, self.ids.to(probs.device), probs)
 
 
-def rank_label_tokens(samples) -> tuple[list[int], list[int]]:
-    """(token ids that are answer labels in `samples`, most frequent first; their counts)."""
-    labels = [s.target_next[s.num_prompt_tokens - 1 : -1] for s in samples if s.num_prompt_tokens >= 1]
-    if not labels:
-        return [], []
-    ids, counts = torch.unique(torch.cat(labels), return_counts=True)
-    order = torch.argsort(counts, descending=True, stable=True)
-    return ids[order].tolist(), counts[order].tolist()
-
-
-def _block_flags(cfg) -> tuple[bool, bool]:
-    """(qk_norm, qkv_bias) exactly as specdec.models.llama.LlamaModel derives them."""
-    return cfg.model_type == "qwen3", cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
-
-
-class _KeysOfThisPass:
+class KeysOfThisPass:
     """Duck-typed KVCache for a block during training: returns the keys written so far (no slots).
 
     Each `write` appends this pass's rotated keys / values; the returned tensors are all of them
@@ -191,20 +161,18 @@ def grow_cache(cache: KVCache, needed: int) -> KVCache:
     return bigger
 
 
-class _Rope(nn.Module):
-    """The target's rotary embedding (same table as LlamaModel.rope).
+class TargetRope(nn.Module):
+    """The target's rotary embedding (its table, specdec.models.llama.rotary_cos_sin).
 
     The table is a plain fp32 attribute, not a buffer: it is derived from the target's config (so
     it stays out of checkpoints) and must not be cast when the heads move to bfloat16."""
 
     def __init__(self, cfg):
         super().__init__()
-        self.inv_freq, self.scaling = _rope_inv_freq(cfg)  # [D/2] float32
+        self.inv_freq, self.scaling = rope_inv_freq(cfg)  # [D/2] float32
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        return rotary_cos_sin(positions, self.inv_freq, self.scaling, dtype)  # [B, 1, T, D] each
 
 
 # ----------------------------------------------------------------------------- head types
@@ -297,8 +265,8 @@ class MTPParallelHeads(DraftHeads):
 
     def __init__(self, target_config, num_heads: int = 4):
         super().__init__(input_layer=target_config.num_hidden_layers - 1, num_positions=num_heads)
-        self.blocks = nn.ModuleList(Block(target_config, *_block_flags(target_config)) for _ in range(num_heads))
-        self.rope = _Rope(target_config)
+        self.blocks = nn.ModuleList(Block(target_config, *block_flags(target_config)) for _ in range(num_heads))
+        self.rope = TargetRope(target_config)
 
     @classmethod
     def from_config(cls, config: dict, target_config) -> MTPParallelHeads:
@@ -313,7 +281,7 @@ class MTPParallelHeads(DraftHeads):
         num_new = hidden.shape[1]
         cos, sin = self.rope(positions, hidden.dtype)
         causal = torch.ones(num_new, num_new, dtype=torch.bool, device=hidden.device).tril()[None, None]  # [1, 1, T, T]
-        return torch.stack([block(hidden, cos, sin, _KeysOfThisPass(), 0, causal) for block in self.blocks])  # [K, B, T, H]
+        return torch.stack([block(hidden, cos, sin, KeysOfThisPass(), 0, causal) for block in self.blocks])  # [K, B, T, H]
 
     def readout(self, features, parts):
         return parts.final_norm(features)
@@ -346,8 +314,8 @@ class MTPSequentialModule(DraftHeads):
         self.hidden_norm = RMSNorm(hidden_size, eps)
         self.embed_norm = RMSNorm(hidden_size, eps)
         self.proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
-        self.block = Block(target_config, *_block_flags(target_config))
-        self.rope = _Rope(target_config)
+        self.block = Block(target_config, *block_flags(target_config))
+        self.rope = TargetRope(target_config)
 
     @classmethod
     def from_config(cls, config: dict, target_config) -> MTPSequentialModule:
@@ -385,7 +353,7 @@ class MTPSequentialModule(DraftHeads):
         holds: committed positions) plus its own chain's keys of depths 2..d.
         """
         batch, num_new, _ = hidden.shape
-        keys = _KeysOfThisPass()
+        keys = KeysOfThisPass()
         eye = torch.eye(num_new, dtype=torch.bool, device=hidden.device)
         causal = torch.ones_like(eye).tril()  # [T, T]
         previous, features = hidden, []
@@ -428,116 +396,3 @@ def build_heads(kind: str, target, num_positions: int, **options) -> DraftHeads:
     heads = HEAD_TYPES[kind].from_config({"kind": kind, "num_positions": num_positions, **options}, target.config)
     heads.init_from_target(target)
     return heads
-
-
-# ----------------------------------------------------------------------------- checkpoints
-_FINGERPRINT_CONFIG_KEYS = (
-    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "rope_theta", "rope_parameters",
-)
-_SAMPLES_PER_TENSOR = 4096
-
-
-def target_fingerprint(target) -> str:
-    """sha256 of the target's architecture config and a strided sample of every weight tensor.
-
-    Weights are rounded to bfloat16 before hashing, so one model loaded in float32 or bfloat16
-    has one fingerprint, while a different model (or another fine-tune) gets another.
-    """
-    digest = hashlib.sha256()
-    cfg = target.config
-    described = {key: getattr(cfg, key, None) for key in _FINGERPRINT_CONFIG_KEYS}
-    digest.update(json.dumps(described, sort_keys=True, default=str).encode())
-    model = getattr(target, "model", None)
-    if model is None or not hasattr(model, "named_parameters"):
-        raise ValueError(f"cannot fingerprint target {getattr(target, 'name', target)!r}: it exposes no weights")
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-            flat = param.detach().reshape(-1)
-            stride = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
-            sample = flat[::stride][:_SAMPLES_PER_TENSOR].to("cpu", torch.bfloat16).contiguous()
-            digest.update(f"{name}:{tuple(param.shape)}".encode())
-            digest.update(sample.view(torch.int16).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def target_description(target) -> dict:
-    return {
-        "name": getattr(target, "name", ""),
-        "fingerprint": target_fingerprint(target),
-        "model_type": target.config.model_type,
-        "hidden_size": target.hidden_size,
-        "vocab_size": target.vocab_size,
-        "num_layers": target.num_layers,
-    }
-
-
-def save_checkpoint(directory: str | Path, heads: DraftHeads, target_info: dict, extra: dict | None = None) -> Path:
-    """Write `config.json` + `model.safetensors` (head weights only, fp32) into `directory` atomically per file."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    state = {name: tensor.detach().to("cpu", torch.float32).contiguous() for name, tensor in heads.state_dict().items()}
-    weights_tmp = directory / (WEIGHTS_FILE + ".tmp")
-    save_file(state, str(weights_tmp))
-    weights_tmp.replace(directory / WEIGHTS_FILE)
-    config = {
-        "format": CHECKPOINT_FORMAT,
-        "format_version": CHECKPOINT_VERSION,
-        "drafter": heads.drafter,
-        "head": heads.head_config(),
-        "label_convention": LABEL_CONVENTION,
-        "target": target_info,
-        **(extra or {}),
-    }
-    config_tmp = directory / (CONFIG_FILE + ".tmp")
-    config_tmp.write_text(json.dumps(config, indent=2))
-    config_tmp.replace(directory / CONFIG_FILE)
-    return directory
-
-
-def read_checkpoint_config(directory: str | Path) -> dict:
-    directory = Path(directory)
-    config_path = directory / CONFIG_FILE
-    if not config_path.is_file() or not (directory / WEIGHTS_FILE).is_file():
-        raise FileNotFoundError(f"{directory} is not a specdec head checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-    config = json.loads(config_path.read_text())
-    if config.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{config_path} is not a specdec head checkpoint (format {config.get('format')!r})")
-    if config.get("format_version") != CHECKPOINT_VERSION:
-        raise ValueError(f"{config_path} has format version {config.get('format_version')}; this specdec reads {CHECKPOINT_VERSION}")
-    return config
-
-
-def check_target_matches(config: dict, target, source: str) -> None:
-    """A clear error when `source` (a checkpoint or data dir) was made for a different target."""
-    expected = config.get("target", {})
-    actual = target_fingerprint(target)
-    if expected.get("fingerprint") != actual:
-        raise ValueError(
-            f"{source} was made for target {expected.get('name')!r} (fingerprint {str(expected.get('fingerprint'))[:12]}, "
-            f"{expected.get('model_type')}, hidden {expected.get('hidden_size')}, vocab {expected.get('vocab_size')}), "
-            f"but the loaded target is {getattr(target, 'name', '')!r} (fingerprint {actual[:12]}, "
-            f"{target.config.model_type}, hidden {target.hidden_size}, vocab {target.vocab_size}): "
-            "train heads for this target, or load the target they were trained for"
-        )
-
-
-def load_checkpoint(directory: str | Path, target, drafter: str | None = None) -> tuple[DraftHeads, dict]:
-    """(heads in the target's dtype/device, config) from a checkpoint; errors for a wrong target or drafter."""
-    from safetensors.torch import load_file
-
-    config = read_checkpoint_config(directory)
-    if drafter is not None and config["drafter"] != drafter:
-        raise ValueError(
-            f"checkpoint {directory} holds {config['head']['kind']!r} heads for the {config['drafter']!r} drafter, "
-            f"not for {drafter!r}"
-        )
-    check_target_matches(config, target, f"checkpoint {directory}")
-    kind = config["head"]["kind"]
-    if kind not in HEAD_TYPES:
-        raise ValueError(f"checkpoint {directory} has unknown head type {kind!r}; known: {', '.join(HEAD_TYPES)}")
-    heads = HEAD_TYPES[kind].from_config(config["head"], target.config)
-    heads.load_state_dict(load_file(str(Path(directory) / WEIGHTS_FILE)))
-    return heads.to(device=target.device, dtype=target.dtype).eval(), config

@@ -1,0 +1,21 @@
+"""Draft head modules on a frozen target (Medusa, MTP) and their checkpoints.
+
+Model-side code: the `medusa` / `mtp` drafters load and run these modules, and the trainer
+(specdec.train) builds and optimises the same classes. Both import from here; drafters never
+import the trainer.
+"""
+
+from .checkpoint import (
+    CONFIG_FILE, check_target_matches, load_checkpoint, read_checkpoint_config, save_checkpoint, target_description,
+    target_fingerprint,
+)
+from .modules import (
+    HEAD_TYPES, LABEL_CONVENTION, DraftHeads, DraftVocab, FrozenTargetParts, MedusaHeads, MTPParallelHeads,
+    MTPSequentialModule, build_heads, grow_cache,
+)
+
+__all__ = [
+    "CONFIG_FILE", "HEAD_TYPES", "LABEL_CONVENTION", "DraftHeads", "DraftVocab", "FrozenTargetParts", "MTPParallelHeads",
+    "MTPSequentialModule", "MedusaHeads", "build_heads", "check_target_matches", "grow_cache", "load_checkpoint",
+    "read_checkpoint_config", "save_checkpoint", "target_description", "target_fingerprint",
+]

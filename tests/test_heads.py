@@ -1,0 +1,40 @@
+"""The head modules reuse the target's own RMSNorm, rotary table and block layout (specdec.heads)."""
+
+import pytest
+import torch
+
+from specdec.heads import HEAD_TYPES, FrozenTargetParts, build_heads, load_checkpoint, save_checkpoint, target_description
+from specdec.heads.modules import TargetRope
+from specdec.models.llama import load_native
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_heads_use_the_targets_norm_and_rope_exactly(tiny_dirs, model_type, dtype):
+    target = load_native(tiny_dirs[model_type][0], dtype=dtype, name=model_type, linear="torch")
+    hidden = torch.randn(2, 5, target.hidden_size, generator=torch.Generator().manual_seed(0)).to(target.dtype)
+    parts = FrozenTargetParts.from_target(target)
+    assert torch.equal(parts.final_norm(hidden), target.model.model.norm(hidden))
+    positions = torch.arange(10).view(2, 5) + 3
+    heads_rope, target_rope = TargetRope(target.config)(positions, target.dtype), target.model.rope(positions, target.dtype)
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(heads_rope, target_rope))
+    # a block copied from the target has the target's parameter names and flags (qk-norm, biases)
+    heads = build_heads("mtp-parallel", target, 1)
+    assert heads.blocks[0].state_dict().keys() == target.model.model.layers[-1].state_dict().keys()
+
+
+@pytest.mark.parametrize("kind", sorted(HEAD_TYPES))
+def test_checkpoint_round_trip_keeps_keys_and_outputs(tiny_target, tmp_path, kind):
+    torch.manual_seed(0)
+    heads = build_heads(kind, tiny_target, 2)
+    with torch.no_grad():
+        for param in heads.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    save_checkpoint(tmp_path, heads, target_description(tiny_target))
+    loaded, config = load_checkpoint(tmp_path, tiny_target)
+    assert config["head"]["kind"] == kind and loaded.state_dict().keys() == heads.state_dict().keys()
+    parts = FrozenTargetParts.from_target(tiny_target)
+    hidden = torch.randn(1, 4, tiny_target.hidden_size)
+    tokens, positions = torch.tensor([[5, 6, 7, 8]]), torch.arange(4)[None]
+    with torch.no_grad():
+        assert torch.equal(loaded(hidden, tokens, positions, parts), heads.eval()(hidden, tokens, positions, parts))
