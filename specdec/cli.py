@@ -13,7 +13,6 @@ import inspect  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-import typing  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -26,43 +25,6 @@ SUBCOMMANDS = {
     "serve": ("specdec.server.app", "add_serve_arguments", "run_serve", "OpenAI-compatible HTTP server"),
     "train": ("specdec.train.cli", "add_train_arguments", "run_train", "train drafter heads (medusa, mtp)"),
 }
-
-
-def _parse_option_value(raw: str, annotation):
-    """Convert a --drafter-arg value using the drafter constructor's type annotation."""
-    kinds = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
-    if bool in kinds:
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"expected true/false, got {raw!r}")
-    for kind in (int, float):
-        if kind in kinds:
-            return kind(raw)
-    if list in kinds or any(typing.get_origin(k) is list for k in kinds):
-        return [int(v) for v in raw.split(",") if v]
-    return raw
-
-
-def drafter_options(name: str, pairs: list[str]) -> dict:
-    from .drafters import DRAFTERS, _load_all
-
-    _load_all()
-    if name not in DRAFTERS:
-        raise ValueError(f"unknown drafter {name!r}; available: {', '.join(sorted(DRAFTERS))}")
-    cls = DRAFTERS[name]
-    hints = typing.get_type_hints(cls.__init__)
-    params = inspect.signature(cls.__init__).parameters
-    options = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        key = key.replace("-", "_")
-        if not sep or key not in params or key in ("self", "target"):
-            allowed = [p for p in params if p not in ("self", "target")]
-            raise ValueError(f"--drafter-arg {pair!r}: {name} takes KEY=VALUE with KEY in {allowed}")
-        options[key] = _parse_option_value(raw, hints.get(key, str))
-    return options
 
 
 def _load_target_with_status(name: str, dtype: str):
@@ -80,7 +42,7 @@ def _load_target_with_status(name: str, dtype: str):
 
 def cmd_generate(args) -> int:
     from .api import generate, stream
-    from .drafters import make_drafter
+    from .drafters import drafter_options, make_drafter
     from .sampling import SamplingParams
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
@@ -125,20 +87,15 @@ def cmd_drafters(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .drafters import DRAFTERS, _load_all
+    from .drafters import drafter_option_names, registered_drafters
 
-    _load_all()
     table = Table(title="drafters (use --drafter NAME --drafter-arg KEY=VALUE)")
     table.add_column("name")
     table.add_column("trees")
     table.add_column("options (defaults)")
-    for name, cls in sorted(DRAFTERS.items()):
-        params = inspect.signature(cls.__init__).parameters.values()
-        opts = ", ".join(
-            f"{p.name}={p.default!r}"
-            for p in params
-            if p.name not in ("self", "target") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        )
+    for name, cls in sorted(registered_drafters().items()):
+        params = inspect.signature(cls.__init__).parameters
+        opts = ", ".join(f"{option}={params[option].default!r}" for option in drafter_option_names(cls))
         table.add_row(name, "yes" if cls.makes_trees else "opt" if "tree" in opts else "no", opts)
     Console().print(table)
     return 0

@@ -26,10 +26,9 @@ def _write_jsonl(path, records):
 
 
 def _drafter_name() -> str:
-    from specdec.drafters import DRAFTERS, _load_all
+    from specdec.drafters import registered_drafters
 
-    _load_all()
-    return "pld" if "pld" in DRAFTERS else "random"
+    return "pld" if "pld" in registered_drafters() else "random"
 
 
 # ---------------------------------------------------------------------------- no model needed

@@ -138,16 +138,14 @@ register_method_factory(BASELINE, _build_plain, help="specdec plain decoding: th
 
 def _drafter_entry(name: str) -> MethodEntry | None:
     """A registered specdec drafter as a bench method, or None when there is no such drafter."""
-    from ..drafters import DRAFTERS, _load_all
+    from ..drafters import registered_drafters
 
-    _load_all()
-    if name not in DRAFTERS:
+    drafter_class = registered_drafters().get(name)
+    if drafter_class is None:
         return None
-    drafter_class = DRAFTERS[name]
 
     def build(target, options: dict, config) -> BenchMethod:
-        from ..cli import drafter_options
-        from ..drafters import make_drafter
+        from ..drafters import drafter_options, make_drafter
 
         try:
             typed = drafter_options(name, [f"{key}={value}" for key, value in options.items()])
@@ -174,9 +172,9 @@ def resolve_method(name: str) -> MethodEntry:
     """Bench registry first (plain, peers, registered callables), then specdec drafters."""
     entry = METHODS.get(name) or _drafter_entry(name)
     if entry is None:
-        from ..drafters import DRAFTERS
+        from ..drafters import registered_drafters
 
-        known = sorted(set(METHODS) | set(DRAFTERS))
+        known = sorted(set(METHODS) | set(registered_drafters()))
         raise ValueError(f"unknown method {name!r}; available: {', '.join(known)}")
     return entry
 

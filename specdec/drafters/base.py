@@ -22,6 +22,10 @@ tries, indices) never leaks across a batch; heavy shared parts (weights) are sha
 from __future__ import annotations
 
 import copy
+import importlib
+import inspect
+import pkgutil
+import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -97,11 +101,61 @@ def register_drafter(cls: type[Drafter]) -> type[Drafter]:
     return cls
 
 
+def registered_drafters() -> dict[str, type[Drafter]]:
+    """Every drafter by name; imports each drafter module once so its @register_drafter runs."""
+    package = importlib.import_module(__package__)
+    for module in pkgutil.iter_modules(package.__path__):
+        if module.name != "base" and not module.name.startswith("_"):
+            importlib.import_module(f"{__package__}.{module.name}")
+    return DRAFTERS
+
+
+def drafter_class(name: str) -> type[Drafter]:
+    drafters = registered_drafters()
+    if name not in drafters:
+        raise ValueError(f"unknown drafter {name!r}; available: {', '.join(sorted(drafters))}")
+    return drafters[name]
+
+
 def make_drafter(name: str, target=None, **options) -> Drafter:
     """Build a registered drafter by name: `make_drafter("pld", target, max_ngram=3)`."""
-    from . import _load_all
+    return drafter_class(name)(target=target, **options)
 
-    _load_all()
-    if name not in DRAFTERS:
-        raise ValueError(f"unknown drafter {name!r}; available: {', '.join(sorted(DRAFTERS))}")
-    return DRAFTERS[name](target=target, **options)
+
+def drafter_option_names(cls: type[Drafter]) -> list[str]:
+    """The options a drafter's constructor takes (everything but the target)."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return [p.name for p in params if p.name not in ("self", "target") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def drafter_options(name: str, pairs: list[str]) -> dict:
+    """KEY=VALUE strings (`--drafter-arg`, a bench method's options) -> constructor keyword
+    arguments, each converted with the constructor's type annotation."""
+    cls = drafter_class(name)
+    hints = typing.get_type_hints(cls.__init__)
+    allowed = drafter_option_names(cls)
+    options = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        key = key.replace("-", "_")
+        if not sep or key not in allowed:
+            raise ValueError(f"--drafter-arg {pair!r}: {name} takes KEY=VALUE with KEY in {allowed}")
+        options[key] = parse_option_value(raw, hints.get(key, str))
+    return options
+
+
+def parse_option_value(raw: str, annotation):
+    """Convert one option string using its type annotation (bool, int, float, list[int], str)."""
+    kinds = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    if bool in kinds:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected true/false, got {raw!r}")
+    for kind in (int, float):
+        if kind in kinds:
+            return kind(raw)
+    if list in kinds or any(typing.get_origin(k) is list for k in kinds):
+        return [int(v) for v in raw.split(",") if v]
+    return raw

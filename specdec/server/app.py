@@ -443,8 +443,7 @@ def run_serve(args) -> int:
     import uvicorn
 
     from ..api import load_target
-    from ..cli import drafter_options
-    from ..drafters import make_drafter
+    from ..drafters import drafter_options, make_drafter
 
     gamma = parse_gamma(args.gamma)
     for name in ("max_running", "max_model_len", "default_max_tokens", "max_body_bytes", "max_prefill_tokens"):
