@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from .drafters.base import Drafter
-from .budget import FixedBudget, auto_budget_policy
+from .budget import budget_policy_for
 from .loop import Generation, run
 from .sampling import SamplingParams
 
@@ -16,13 +16,6 @@ def load_target(name_or_path: str, dtype: str = "float32", progress: bool = True
     from .models import load_target as _load
 
     return _load(name_or_path, dtype=dtype, progress=progress)
-
-
-def _budget_policy(target, drafter, gamma):
-    """gamma: an int (fixed draft length / node budget), None (drafter default) or "auto" (cost model)."""
-    if gamma == "auto" and drafter is not None:
-        return auto_budget_policy(target, drafter)
-    return FixedBudget(None if gamma in (None, "auto") else int(gamma))
 
 
 def generate_batch(
@@ -36,7 +29,7 @@ def generate_batch(
 ) -> list[Generation]:
     """Generate for several prompts in one batch (ragged lengths); each result equals the prompt run alone."""
     prompt_ids = [target.encode_prompt(p) for p in prompts]
-    steps = run(target, prompt_ids, drafter, max_new_tokens, sampling, stop, _budget_policy(target, drafter, gamma))
+    steps = run(target, prompt_ids, drafter, max_new_tokens, sampling, stop, budget_policy_for(target, drafter, gamma))
     start = time.perf_counter()
     while True:
         try:
@@ -77,7 +70,7 @@ def stream(
     The text of the stream concatenates to `generate(...).text` (stop strings are held back
     until it is clear they do not match)."""
     prompt_ids = [target.encode_prompt(prompt)]
-    steps = run(target, prompt_ids, drafter, max_new_tokens, sampling, stop, _budget_policy(target, drafter, gamma))
+    steps = run(target, prompt_ids, drafter, max_new_tokens, sampling, stop, budget_policy_for(target, drafter, gamma))
     output: list[int] = []
     sent = 0
     holdback = max((len(s) for s in stop), default=0)

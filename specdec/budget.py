@@ -177,6 +177,31 @@ class AutoBudget:
         self._draft_ms[seq] = step_ms if previous is None else 0.7 * previous + 0.3 * step_ms
 
 
+def parse_gamma(raw) -> int | str | None:
+    """A gamma as given on the command line or to the API: "auto" (the cost model picks each step's
+    budget), None (the drafter's default) or an integer >= 0 (int or decimal string)."""
+    if raw is None or raw == "auto":
+        return raw
+    try:
+        if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+            raise ValueError
+        gamma = int(raw)
+    except ValueError:
+        raise ValueError(f"gamma must be 'auto' or an integer >= 0, got {raw!r}") from None
+    if gamma < 0:
+        raise ValueError(f"gamma must be 'auto' or an integer >= 0, got {raw!r}")
+    return gamma
+
+
+def budget_policy_for(target, drafter, gamma):
+    """The policy a gamma asks for: "auto" -> the measured cost model (AutoBudget; plain decoding
+    needs none); an int -> FixedBudget(gamma); None -> FixedBudget with the drafter's default."""
+    gamma = parse_gamma(gamma)
+    if gamma == "auto":
+        return auto_budget_policy(target, drafter) if drafter is not None else FixedBudget()
+    return FixedBudget(gamma)
+
+
 def auto_budget_policy(target, drafter, max_budget: int = 12) -> AutoBudget:
     """The measured cost table of this target on this machine (measured once, then cached)."""
     from .cost import get_or_measure

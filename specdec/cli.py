@@ -14,8 +14,6 @@ import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
-DEFAULT_MODEL = "smollm2-135m"
-
 # subcommand -> (module, function adding its arguments to a subparser, function running it).
 # Each feature owns its arguments; the CLI only routes.
 SUBCOMMANDS = {
@@ -42,6 +40,7 @@ def _load_target_with_status(name: str, dtype: str):
 
 def cmd_generate(args) -> int:
     from .api import generate, stream
+    from .budget import parse_gamma
     from .drafters import drafter_options, make_drafter
     from .sampling import SamplingParams
 
@@ -49,7 +48,7 @@ def cmd_generate(args) -> int:
     options = drafter_options(args.drafter, args.drafter_arg) if args.drafter else {}
     target = _load_target_with_status(args.model, args.dtype)
     drafter = make_drafter(args.drafter, target, **options) if args.drafter else None
-    gamma = args.gamma if args.gamma in (None, "auto") else int(args.gamma)
+    gamma = parse_gamma(args.gamma)
     prompt = args.prompt
     if args.stream:
         for piece in stream(target, prompt, drafter, args.max_new_tokens, sampling, args.stop, gamma):
@@ -105,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    from .models.registry import DEFAULT_MODEL, add_models_arguments, run_models
+
     gen = sub.add_parser("generate", help="generate text (plain or speculative)")
     gen.add_argument("prompt", help="the user message (the chat template is applied when the model has one)")
     gen.add_argument("--model", default=DEFAULT_MODEL, help="registry name, HF model directory, or .gguf file")
@@ -124,8 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print speculative statistics")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats)")
     gen.set_defaults(func=cmd_generate)
-
-    from .models.registry import add_models_arguments, run_models
 
     models = add_models_arguments(sub)
     models.set_defaults(func=run_models)

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from .paths import cache_root
+
 DEFAULT_KS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
@@ -113,15 +115,10 @@ class CostTable:
         return cls(key=data.get("key", {}), k=data["k"], ms=data["ms"])
 
 
-def _cache_root() -> Path:
-    root = os.environ.get("SPECDEC_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "specdec"
-
-
 def default_cache_path(key: dict) -> Path:
     """$SPECDEC_CACHE (default ~/.cache/specdec)/cost/<hash of key>.json."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
-    return _cache_root() / "cost" / f"{digest[:20]}.json"
+    return cache_root() / "cost" / f"{digest[:20]}.json"
 
 
 def _target_device(target) -> torch.device:

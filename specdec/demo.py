@@ -11,13 +11,14 @@ import sys  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from . import generate, load_target, make_drafter  # noqa: E402
+from .models.registry import DEFAULT_MODEL  # noqa: E402
 
 PROMPT = (
     "Here is a short Python function:\n\n"
     "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n\n"
     "Rewrite it with a docstring and type hints, keeping the same logic. Show the full function."
 )
-MODEL = os.environ.get("SPECDEC_DEMO_MODEL", "smollm2-135m")
+MODEL = os.environ.get("SPECDEC_DEMO_MODEL", DEFAULT_MODEL)
 DRAFTER = os.environ.get("SPECDEC_DEMO_DRAFTER", "pld")  # best training-free drafter on this prompt kind
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import check_int
+
 MAX_TEMPERATURE = 100.0
 
 
@@ -38,8 +40,7 @@ class SamplingParams:
             raise ValueError(
                 f"temperature must be in [0, {MAX_TEMPERATURE}] (0 = greedy), got {self.temperature!r}"
             )
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
+        check_int("top_k (0 = disabled)", self.top_k, 0)
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not (0.0 < self.top_p <= 1.0):  # also rejects NaN

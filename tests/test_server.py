@@ -16,7 +16,8 @@ from specdec import SamplingParams, generate, make_drafter
 from specdec.draft import Draft
 from specdec.drafters.base import Drafter
 from specdec.server import TextDeltas, create_app
-from specdec.server.app import add_serve_arguments, parse_gamma
+from specdec.budget import parse_gamma
+from specdec.server.app import add_serve_arguments
 from specdec.server.metrics import parse_metrics
 
 pytestmark = pytest.mark.slow

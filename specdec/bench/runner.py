@@ -27,12 +27,12 @@ from . import METHODS, BenchMethod, MethodEntry, MethodOutput, MethodUnavailable
 from . import peers as _peers  # noqa: F401  (registers the hf-* methods)
 from .questions import TASK_KINDS, Question, default_questions_path, load_questions, select_questions
 from .report import BASELINE, method_summary_rows, write_reports
-from ..budget import FixedBudget, auto_budget_policy
+from ..budget import budget_policy_for, parse_gamma
 from ..loop import run as run_loop
+from ..models.registry import DEFAULT_MODEL
 from ..sampling import SamplingParams
 
 DEFAULT_METHODS = "plain,pld,suffix,lookahead,small-model,hf-plain,hf-assisted,hf-pld"
-DEFAULT_TARGET = "smollm2-135m"
 QUICK_LIMIT_PER_KIND = 3
 DEFAULT_MAX_NEW_TOKENS = 128
 WARMUP_TOKENS = 16
@@ -43,7 +43,7 @@ DEFAULT_DRAFT_FOR_TARGET = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 @dataclass
 class BenchConfig:
     methods: list[str] = field(default_factory=lambda: DEFAULT_METHODS.split(","))
-    target: str = DEFAULT_TARGET  # registry name / HF dir / .gguf (ignored when a loaded target is passed)
+    target: str = DEFAULT_MODEL  # registry name / HF dir / .gguf (ignored when a loaded target is passed)
     draft_model: str | None = None  # None = DEFAULT_DRAFT_FOR_TARGET[target], else no draft model
     questions_path: str | None = None  # None = default_questions_path()
     task_kinds: list[str] | None = None  # None = all six
@@ -104,12 +104,7 @@ class SpecdecMethod(BenchMethod):
 
     def __init__(self, target, drafter, gamma: str | int, description: str):
         self.target, self.drafter, self.description = target, drafter, description
-        if drafter is None:
-            self.policy = FixedBudget()
-        elif gamma == "auto":
-            self.policy = auto_budget_policy(target, drafter)  # measures the cost table once (cached on disk)
-        else:
-            self.policy = FixedBudget(int(gamma))
+        self.policy = budget_policy_for(target, drafter, gamma)  # "auto" measures the cost table once (cached on disk)
 
     def generate(self, prompt_ids, max_new_tokens, sampling) -> MethodOutput:
         start = time.perf_counter()
@@ -192,8 +187,7 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
         raise ValueError(f"a method is listed twice: {labels}")
     if config.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {config.max_new_tokens}")
-    if config.gamma != "auto" and (not str(config.gamma).isdigit()):
-        raise ValueError(f"gamma must be 'auto' or an integer >= 0, got {config.gamma!r}")
+    parse_gamma(config.gamma)
     entries = {spec.label: resolve_method(spec.name) for spec in specs}  # unknown names fail before loading
     specs.sort(key=lambda spec: (entries[spec.label].peer, spec.label != BASELINE))  # plain, specdec..., peers
     sampling = config.sampling()  # validates temperature / top-k / top-p
@@ -425,7 +419,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=DEFAULT_METHODS,
                         help="comma-separated: plain, drafter names (`specdec drafters`), hf-plain, hf-assisted, hf-pld; "
                              "options as NAME:KEY=VALUE:KEY=VALUE (default: %(default)s)")
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="target model: registry name, HF dir or .gguf")
+    parser.add_argument("--target", default=DEFAULT_MODEL, help="target model: registry name, HF dir or .gguf")
     parser.add_argument("--draft-model", default=None,
                         help="draft model for small-model and hf-assisted (default: qwen2.5-coder-0.5b for "
                              "qwen2.5-coder-1.5b, else none)")
@@ -449,7 +443,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.full and args.limit_per_category is not None:
         raise ValueError("--full runs every question; do not combine it with --limit-per-category")
-    gamma = args.gamma if args.gamma == "auto" else _parse_gamma(args.gamma)
+    gamma = parse_gamma(args.gamma)
     return BenchConfig(
         methods=[m for m in args.methods.split(",") if m.strip()],
         target=args.target,
@@ -470,16 +464,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         warmup=not args.no_warmup,
         progress=not args.no_progress,
     )
-
-
-def _parse_gamma(raw: str) -> int:
-    try:
-        gamma = int(raw)
-    except ValueError:
-        raise ValueError(f"--gamma must be 'auto' or an integer >= 0, got {raw!r}") from None
-    if gamma < 0:
-        raise ValueError(f"--gamma must be 'auto' or an integer >= 0, got {raw!r}")
-    return gamma
 
 
 def run_bench(args: argparse.Namespace) -> int:

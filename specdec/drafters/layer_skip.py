@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 
+from ..checks import check_int
 from .base import register_drafter
 from .small_model import DraftLM, ModelDrafter, decode_cost_bytes
 
@@ -28,8 +29,7 @@ def resolve_layer_ids(total_layers: int, num_layers: int | None, layers: list[in
         raise ValueError("give either num_layers (the first n blocks) or layers (a list of block ids), not both")
     if layers is None:
         count = default_num_layers(total_layers) if num_layers is None else num_layers
-        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= total_layers:
-            raise ValueError(f"num_layers must be an integer in [1, {total_layers}] (the target's blocks), got {count!r}")
+        check_int("num_layers (the target's blocks to run)", count, 1, total_layers)
         return list(range(count))
     layer_ids = list(layers)
     if not layer_ids:

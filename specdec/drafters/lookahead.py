@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_int
 from ..draft import Draft
 from .base import DraftContext, Drafter, register_drafter
 
@@ -56,12 +57,6 @@ MAX_WINDOW_SIZE = 64
 MAX_NGRAM_SIZE = 16
 MAX_GUESS_SET_SIZE = 64
 MIN_OWN_CACHE_LEN = 256  # the fallback cache grows by doubling from here
-
-
-def _check_int(name: str, value, low: int, high: int, meaning: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{name} ({meaning}) must be an integer in [{low}, {high}], got {value!r}")
-    return value
 
 
 class _TokenTrie:
@@ -130,11 +125,9 @@ class LookaheadDrafter(Drafter):
         context_ngrams: bool = True,
         init_seed: int = 0,
     ):
-        self.window_size = _check_int("window_size", window_size, 1, MAX_WINDOW_SIZE, "lookahead window columns W")
-        self.ngram_size = _check_int("ngram_size", ngram_size, 2, MAX_NGRAM_SIZE, "n-gram length N")
-        self.guess_set_size = _check_int(
-            "guess_set_size", guess_set_size, 0, MAX_GUESS_SET_SIZE, "n-grams verified per step G"
-        )
+        self.window_size = check_int("window_size (lookahead window columns W)", window_size, 1, MAX_WINDOW_SIZE)
+        self.ngram_size = check_int("ngram_size (n-gram length N)", ngram_size, 2, MAX_NGRAM_SIZE)
+        self.guess_set_size = check_int("guess_set_size (n-grams verified per step G)", guess_set_size, 0, MAX_GUESS_SET_SIZE)
         if not isinstance(context_ngrams, bool):
             raise ValueError(f"context_ngrams must be True or False, got {context_ngrams!r}")
         if isinstance(init_seed, bool) or not isinstance(init_seed, int):

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..checks import check_int
 from ..draft import Draft, TreeTemplate, tree_template_from_choices
 from ..heads import DraftVocab, FrozenTargetParts, MedusaHeads, load_checkpoint
 from .base import DraftContext, Drafter, register_drafter
@@ -119,8 +120,7 @@ def draft_from_candidates(template: TreeTemplate, candidates: list[list[int]]) -
 def build_choice_tree(num_positions: int, rank_acc, choices, tree_nodes: int, num_candidates: int) -> ChoiceTree:
     """The drafter's tree; paths needing a rank >= num_candidates (the draft vocabulary's size) are
     dropped (a path's prefixes use the same ranks, so the rest stays a tree)."""
-    if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or not 1 <= tree_nodes <= MAX_TREE_NODES:
-        raise ValueError(f"tree_nodes must be an integer in [1, {MAX_TREE_NODES}], got {tree_nodes!r}")
+    check_int("tree_nodes", tree_nodes, 1, MAX_TREE_NODES)
     if choices is not None:
         paths = parse_choices(choices)
     else:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..checks import check_int
 from ..draft import Draft
 from ..sampling import sample_from_probs, warp_logits_to_probs
 from ..heads import DraftVocab, FrozenTargetParts, MTPParallelHeads, MTPSequentialModule, grow_cache, load_checkpoint
@@ -163,8 +164,7 @@ class MTPDrafter(Drafter):
             raise ValueError(f"tree=true needs parallel MTP heads; this checkpoint holds {heads.kind!r} (a chain drafter)")
         limit = heads.num_positions if isinstance(heads, MTPParallelHeads) else 64
         gamma = heads.num_positions if gamma is None else gamma
-        if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= limit:
-            raise ValueError(f"gamma must be an integer in [1, {limit}] for {heads.kind} heads, got {gamma!r}")
+        check_int(f"gamma for {heads.kind} heads", gamma, 1, limit)
         self.target, self.heads, self.sample = target, heads, sample
         self.vocab = DraftVocab.from_config(FrozenTargetParts.from_target(target), config, draft_vocab)
         self.hidden_layers = (heads.input_layer,)

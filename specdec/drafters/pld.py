@@ -17,26 +17,17 @@ Proposals are deterministic (draft_probs=None), so the output is exactly the tar
 
 from __future__ import annotations
 
+from ..checks import check_int
 from ..draft import Draft
 from .base import DraftContext, Drafter, register_drafter
 
 MAX_NGRAM_LIMIT = 16
 
 
-def check_int_option(name: str, value, low: int, high: int | None = None) -> int:
-    """A drafter option that must be an integer in [low, high]; anything else is a clear ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < low or (high is not None and value > high):
-        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be {allowed}, got {value}")
-    return value
-
-
 def check_ngram_range(low_name: str, low: int, high_name: str, high: int, limit: int) -> None:
     """1 <= low <= high <= limit, with a message naming both options."""
-    check_int_option(low_name, low, 1, limit)
-    check_int_option(high_name, high, 1, limit)
+    check_int(low_name, low, 1, limit)
+    check_int(high_name, high, 1, limit)
     if low > high:
         raise ValueError(f"{low_name} ({low}) must be <= {high_name} ({high}); both must be in [1, {limit}]")
 
@@ -59,7 +50,7 @@ class PromptLookupDrafter(Drafter):
     def __init__(self, target=None, max_ngram: int = 4, min_ngram: int = 2, gamma: int = 5):
         check_ngram_range("min_ngram", min_ngram, "max_ngram", max_ngram, MAX_NGRAM_LIMIT)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.default_budget = check_int_option("gamma", gamma, 1, 256)
+        self.default_budget = check_int("gamma", gamma, 1, 256)
         self._reset()
 
     def _reset(self) -> None:

@@ -19,7 +19,8 @@ import numpy as np
 from ..datastore import SEPARATOR, Datastore
 from ..draft import Draft
 from .base import DraftContext, Drafter, register_drafter
-from .pld import check_int_option, check_ngram_range
+from ..checks import check_int
+from .pld import check_ngram_range
 from .suffix import MAX_DEPTH_LIMIT, TrieNode, expand_draft
 
 
@@ -59,16 +60,16 @@ class RestDrafter(Drafter):
         self.store = Datastore.open(datastore)
         check_ngram_range("min_suffix", min_suffix, "max_suffix", max_suffix, self.store.sorted_depth)
         self.max_suffix, self.min_suffix = max_suffix, min_suffix
-        self.max_candidates = check_int_option("max_candidates", max_candidates, 1, 100_000)
-        self.max_depth = check_int_option("max_depth", max_depth, 1, MAX_DEPTH_LIMIT)
-        self.max_children = check_int_option("max_children", max_children, 1, 64)
+        self.max_candidates = check_int("max_candidates", max_candidates, 1, 100_000)
+        self.max_depth = check_int("max_depth", max_depth, 1, MAX_DEPTH_LIMIT)
+        self.max_children = check_int("max_children", max_children, 1, 64)
         if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)) or not 0.0 <= min_prob <= 1.0:
             raise ValueError(f"min_prob must be a number in [0, 1], got {min_prob!r}")
         self.min_prob = float(min_prob)
         if not isinstance(tree, bool):
             raise ValueError(f"tree must be a boolean, got {tree!r}")
         self.tree = self.makes_trees = tree
-        self.default_budget = check_int_option("gamma", gamma, 1, 1024)
+        self.default_budget = check_int("gamma", gamma, 1, 1024)
         self._checked_target_id: int | None = None
         if target is not None:
             self._check_target(target)

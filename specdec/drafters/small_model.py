@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..checks import check_positive_int
 from ..draft import Draft
 from ..kv_cache import KVCache
 from ..models.base import Target
@@ -46,12 +47,6 @@ def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     while index < limit and a[index] == b[index]:
         index += 1
     return index
-
-
-def _check_positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
 
 
 class DraftLM:
@@ -187,14 +182,14 @@ class ModelDrafter(Drafter):
         tree_topk: int = 3,
         tree_beam: int = 1,
     ):
-        self.gamma = _check_positive_int(gamma, "gamma")
+        self.gamma = check_positive_int("gamma", gamma)
         if not isinstance(tree, bool):
             raise ValueError(f"tree must be true or false, got {tree!r}")
         self.tree = tree
-        self.tree_nodes = _check_positive_int(tree_nodes, "tree_nodes")
-        self.tree_depth = _check_positive_int(tree_depth, "tree_depth")
-        self.tree_topk = _check_positive_int(tree_topk, "tree_topk")
-        self.tree_beam = _check_positive_int(tree_beam, "tree_beam")
+        self.tree_nodes = check_positive_int("tree_nodes", tree_nodes)
+        self.tree_depth = check_positive_int("tree_depth", tree_depth)
+        self.tree_topk = check_positive_int("tree_topk", tree_topk)
+        self.tree_beam = check_positive_int("tree_beam", tree_beam)
         self.makes_trees = tree
         self.default_budget = tree_nodes if tree else gamma
         self._cost_tokens = 0.0

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 from ..draft import Draft
 from .base import DraftContext, Drafter, register_drafter
-from .pld import check_int_option, check_ngram_range
+from ..checks import check_int
+from .pld import check_ngram_range
 
 MAX_MATCH_LIMIT = 32
 MAX_DEPTH_LIMIT = 64
@@ -207,8 +208,8 @@ class SuffixDrafter(Drafter):
     ):
         check_ngram_range("min_match", min_match, "max_match", max_match, MAX_MATCH_LIMIT)
         self.max_match, self.min_match = max_match, min_match
-        self.max_depth = check_int_option("max_depth", max_depth, 1, MAX_DEPTH_LIMIT)
-        self.max_children = check_int_option("max_children", max_children, 1, 64)
+        self.max_depth = check_int("max_depth", max_depth, 1, MAX_DEPTH_LIMIT)
+        self.max_children = check_int("max_children", max_children, 1, 64)
         if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)) or not 0.0 <= min_prob <= 1.0:
             raise ValueError(f"min_prob must be a number in [0, 1], got {min_prob!r}")
         self.min_prob = float(min_prob)
@@ -217,8 +218,8 @@ class SuffixDrafter(Drafter):
                 f"tree and share_across_requests must be booleans, got {tree!r}, {share_across_requests!r}"
             )
         self.tree = self.makes_trees = tree
-        self.global_max_nodes = check_int_option("global_max_nodes", global_max_nodes, 1)
-        self.default_budget = check_int_option("gamma", gamma, 1, 1024)
+        self.global_max_nodes = check_int("global_max_nodes", global_max_nodes, 1)
+        self.default_budget = check_int("gamma", gamma, 1, 1024)
         self.trie_depth = max_match + max_depth  # a match plus its drafted continuation
         self.shared = _SharedTrie(self.trie_depth) if share_across_requests else None
         self._reset()

@@ -28,13 +28,13 @@ The target's embeddings, final norm and LM head are used frozen and never saved 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..checks import check_int, check_positive_int
 from ..kv_cache import KVCache
 from ..models.llama import Block, RMSNorm, block_flags, rms_norm, rope_inv_freq, rotary_cos_sin
 
@@ -105,8 +105,8 @@ class DraftVocab:
     def from_config(cls, parts: FrozenTargetParts, config: dict, size: int | None) -> DraftVocab:
         """`size` tokens of the checkpoint's ranking (None or 0: the full vocabulary; also when the
         checkpoint has no ranking)."""
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
-            raise ValueError(f"draft_vocab must be an integer >= 0 (0 = the full vocabulary), got {size!r}")
+        if size is not None:
+            check_int("draft_vocab (0 = the full vocabulary)", size, 0)
         ranked = (config.get("draft_vocab") or {}).get("ids")
         if not size or not ranked or size >= parts.lm_head_weight.shape[0]:
             return cls(parts, None)
@@ -197,8 +197,7 @@ class DraftHeads(nn.Module):
 
     def __init__(self, input_layer: int, num_positions: int):
         super().__init__()
-        if isinstance(num_positions, bool) or not isinstance(num_positions, int) or num_positions < 1:
-            raise ValueError(f"the number of head positions must be an integer >= 1, got {num_positions!r}")
+        check_positive_int("the number of head positions", num_positions)
         self.input_layer = input_layer
         self.num_positions = num_positions
 
@@ -226,8 +225,7 @@ class MedusaHeads(DraftHeads):
 
     def __init__(self, hidden_size: int, num_layers: int, num_heads: int = 4, num_blocks: int = 1):
         super().__init__(input_layer=num_layers, num_positions=num_heads)
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+        check_positive_int("num_blocks", num_blocks)
         self.hidden_size, self.num_blocks = hidden_size, num_blocks
         self.heads = nn.ModuleList(
             nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_blocks)) for _ in range(num_heads)

@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..paths import cache_root
+
 SOURCE_PATH = Path(__file__).parent / "csrc" / "skinny_gemm.cpp"
 ENV_BACKEND = "SPECDEC_LINEAR"
 ENV_COMPILER = "SPECDEC_CXX"
@@ -60,8 +62,7 @@ class KernelUnavailable(RuntimeError):
 
 def kernel_cache_dir() -> Path:
     """Where compiled kernels live: $SPECDEC_CACHE/kernels (default ~/.cache/specdec/kernels)."""
-    root = os.environ.get("SPECDEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specdec")
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def cpu_isa() -> str | None:

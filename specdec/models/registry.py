@@ -28,7 +28,8 @@ from typing import Protocol, Sequence
 
 from tqdm.auto import tqdm
 
-CACHE_ENV_VAR = "SPECDEC_CACHE"
+from ..paths import cache_root
+
 MARKER_FILE = "specdec.json"  # written last into a converted dir; its presence = complete
 _READ_BLOCK = 8 * 1024 * 1024
 
@@ -220,12 +221,6 @@ def get_spec(name: str) -> ModelSpec:
 
 
 # ----------------------------------------------------------------------------- cache paths
-
-
-def cache_root() -> Path:
-    """Root of every cached artefact: $SPECDEC_CACHE, else ~/.cache/specdec."""
-    configured = os.environ.get(CACHE_ENV_VAR)
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "specdec"
 
 
 def model_cache_dir(name: str) -> Path:

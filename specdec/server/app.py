@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..budget import FixedBudget, auto_budget_policy
+from ..budget import budget_policy_for, parse_gamma
+from ..models.registry import DEFAULT_MODEL
 from ..sampling import SamplingParams, make_generator
 from .metrics import ServerMetrics
 from .scheduler import (FinishedEvent, GenerationRequest, QueueFullError, Scheduler, SchedulerStoppedError, TextDeltas,
@@ -45,13 +46,6 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(error_body(self.message, self.error_type, self.param, self.code), status_code=self.status)
-
-
-def budget_policy_for(target, drafter, gamma):
-    """gamma "auto" -> the cost model's load-aware AutoBudget; an int -> FixedBudget; None -> drafter default."""
-    if drafter is not None and gamma == "auto":
-        return auto_budget_policy(target, drafter)
-    return FixedBudget(None if gamma in (None, "auto") else int(gamma))
 
 
 class _GuardMiddleware:
@@ -407,7 +401,7 @@ def _model_card(name: str, created: int) -> dict:
 
 
 def add_serve_arguments(parser) -> None:
-    parser.add_argument("--model", default="smollm2-135m", help="registry name, HF model directory, or .gguf file")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, HF model directory, or .gguf file")
     parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     parser.add_argument("--drafter", default=None, help="drafter name (see `specdec drafters`); none = plain decoding")
     parser.add_argument("--drafter-arg", action="append", default=[], metavar="KEY=VALUE", help="drafter option")
@@ -424,19 +418,6 @@ def add_serve_arguments(parser) -> None:
                         help="admit waiting requests while rows x longest prompt stays under this (one prefill)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="request body limit (413)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-
-
-def parse_gamma(raw):
-    """'auto', None or a non-negative int (a clear ValueError otherwise)."""
-    if raw in (None, "auto"):
-        return raw
-    try:
-        gamma = int(raw)
-    except (TypeError, ValueError):
-        raise ValueError(f"--gamma must be 'auto' or an integer >= 0, got {raw!r}") from None
-    if gamma < 0:
-        raise ValueError(f"--gamma must be 'auto' or an integer >= 0, got {gamma}")
-    return gamma
 
 
 def run_serve(args) -> int:

@@ -14,7 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-DEFAULT_MODEL = "smollm2-135m"
+from ..models.registry import DEFAULT_MODEL
+
 DEFAULT_MINUTES = 10.0  # when neither --steps nor --minutes is given
 # CPU defaults favour many cheap steps (measured on SmolLM2 with 2-minute runs: MTP batch 2 beat 8,
 # 256 LM-head rows beat 1024); the [rows, V] logits and the MTP blocks dominate a step's cost

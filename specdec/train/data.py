@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from ..sampling import SamplingParams
+from ..checks import check_positive_int
 from ..heads import check_target_matches, target_description
 from .prompts import GENERATED_TEXT_LICENCE, SOURCES, PromptItem, mixed_prompts
 
@@ -74,7 +75,8 @@ class DataSettings:
     prompt_weights: dict[str, float] = field(default_factory=lambda: {"self-instruct": 0.4, "python-docs": 0.3, "code-tasks": 0.3})
 
     def validate(self, target) -> None:
-        _check_positive_ints(self, ("num_prompts", "max_new_tokens", "shard_size"))
+        for name in ("num_prompts", "max_new_tokens", "shard_size"):
+            check_positive_int(name, getattr(self, name))
         if not 0.0 <= self.sampled_fraction <= 1.0:
             raise ValueError(f"sampled_fraction must be in [0, 1], got {self.sampled_fraction!r}")
         self.layers = resolve_layers(self.layers, target)
@@ -86,13 +88,6 @@ class DataSettings:
         if draw < self.sampled_fraction:
             return SamplingParams(self.temperature, 0, self.top_p, seed=self.seed * 1_000_003 + prompt_index)
         return SamplingParams()
-
-
-def _check_positive_ints(settings, names) -> None:
-    for name in names:
-        value = getattr(settings, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def default_layers(target) -> list[int]:
@@ -323,7 +318,8 @@ class CorpusSettings:
 
     def validate(self, target) -> None:
         optional = ("max_chunks",) if self.max_chunks is not None else ()
-        _check_positive_ints(self, ("chunk_tokens", "shard_size", "batch_size", *optional))
+        for name in ("chunk_tokens", "shard_size", "batch_size", *optional):
+            check_positive_int(name, getattr(self, name))
         if self.chunk_tokens < MIN_CHUNK_TOKENS:
             raise ValueError(f"chunk_tokens must be >= {MIN_CHUNK_TOKENS}, got {self.chunk_tokens}")
         if not self.instruction.strip():

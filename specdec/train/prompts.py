@@ -19,6 +19,8 @@ import random
 import warnings
 from dataclasses import dataclass
 
+from ..checks import check_positive_int
+
 
 @dataclass(frozen=True)
 class PromptSource:
@@ -178,8 +180,7 @@ def mixed_prompts(num_prompts: int, seed: int = 0, weights: dict[str, float] | N
 
     Deterministic for a given seed and Python version (the docstrings come from the running Python).
     """
-    if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
-        raise ValueError(f"num_prompts must be an integer >= 1, got {num_prompts!r}")
+    check_positive_int("num_prompts", num_prompts)
     weights = weights or {"self-instruct": 0.4, "python-docs": 0.3, "code-tasks": 0.3}
     unknown = set(weights) - set(SOURCES)
     if unknown:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import Sample
+from ..checks import check_int, check_positive_int
 from ..heads import DraftHeads, FrozenTargetParts, save_checkpoint
 
 STATE_FILE = "trainer_state.pt"
@@ -76,18 +77,15 @@ class TrainSettings:
     def validate(self) -> None:
         if self.steps is None and self.minutes is None:
             raise ValueError("give a training length: steps, minutes, or both")
-        if self.steps is not None and (isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1):
-            raise ValueError(f"steps must be an integer >= 1, got {self.steps!r}")
+        if self.steps is not None:
+            check_positive_int("steps", self.steps)
         if self.minutes is not None and not self.minutes > 0:
             raise ValueError(f"minutes must be > 0, got {self.minutes!r}")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
-        if isinstance(self.softmax_negatives, bool) or not isinstance(self.softmax_negatives, int) or self.softmax_negatives < 0:
-            raise ValueError(f"softmax_negatives must be an integer >= 0, got {self.softmax_negatives!r}")
+        check_int("softmax_negatives", self.softmax_negatives, 0)
         for name in ("batch_size", "max_seq_len", "loss_rows", "eval_rows", "eval_every", "save_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         if not self.feature_weight >= 0:
             raise ValueError(f"feature_weight must be >= 0, got {self.feature_weight!r}")
         if not self.lr > 0:
