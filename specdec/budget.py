@@ -5,18 +5,202 @@ budgets can shrink as the batch grows), `observe(seq, drafted_depth, accepted)` 
 `max_budget_for(drafter) -> int` (sizes the KV cache). Non-anticipation (DESIGN.md): a budget is a
 function of what was known before drafting — running acceptance estimates, measured costs,
 how many sequences share the forward — never of the tokens about to be drafted.
+
+The choosers maximise expected tokens per ms of the coming step over the measured T(k)
+(specdec.cost). A draft of n nodes whose paths survive with probabilities s_1 >= s_2 >= ...
+(chain depths or tree nodes alike) is worth
+
+    one sequence:  (1 + s_1 + ... + s_n) / (n * draft_ms_per_node + T(other + n + 1))
+    a batch:       (R + S_n) / (n * draft_ms + T(R + n)),  S_n = the n best scores of all R sequences
+
+For SAMPLED proposals the scores must come from pre-draft information (AcceptanceTracker, the
+cost table), never from the drafted tokens or their probabilities; scores computed from the
+drafter's own outputs are only allowed for deterministic proposals (top-k trees, n-gram matches).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from .cost import AcceptanceTracker, CostTable, allocate_batch_budget, choose_chain_length, choose_tree_budget
+from .cost import CostTable
 
 
 # the cost table also times one prefill-sized forward, so one-off catch-up costs (a draft
 # model prefilling a long prompt) are interpolated, not extrapolated from the k <= 13 points
 PREFILL_PROBE_TOKENS = 256
+
+
+# ----------------------------------------------------------------------------- choosing budgets
+
+
+def _check_probabilities(name: str, values: Sequence[float]) -> list[float]:
+    values = [float(v) for v in values]
+    for index, value in enumerate(values):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name}[{index}] = {value} is not a probability in [0, 1]")
+    return values
+
+
+def _check_descending(name: str, values: Sequence[float]) -> list[float]:
+    values = _check_probabilities(name, values)
+    for index in range(1, len(values)):
+        if values[index] > values[index - 1]:
+            raise ValueError(
+                f"{name} must be sorted descending (best candidate first); "
+                f"index {index} ({values[index]}) > index {index - 1} ({values[index - 1]})"
+            )
+    return values
+
+
+def chain_path_scores(accept_probs_by_depth: Sequence[float]) -> list[float]:
+    """Per-depth conditional acceptance a_d -> P(depths 1..d all accepted) = prod_{j<=d} a_j."""
+    scores, running = [], 1.0
+    for prob in _check_probabilities("accept_probs_by_depth", accept_probs_by_depth):
+        running *= prob
+        scores.append(running)
+    return scores
+
+
+def tokens_per_ms(path_scores: Sequence[float], cost: CostTable, draft_ms_per_node: float, other_tokens: int = 0) -> list[float]:
+    """rates[n] for n = 0..len(path_scores): expected tokens per ms of a step drafting the first n
+    nodes, (1 + sum_{i<n} s_i) / (n * draft_ms_per_node + T(other_tokens + n + 1)); rates[0] is
+    plain decoding, 1 / T(other_tokens + 1). `other_tokens`: tokens of the other sequences in the forward."""
+    if draft_ms_per_node < 0:
+        raise ValueError(f"draft time must be >= 0 ms, got {draft_ms_per_node}")
+    if other_tokens < 0:
+        raise ValueError(f"other_tokens must be >= 0, got {other_tokens}")
+    rates = [1.0 / cost.t(other_tokens + 1)]
+    expected_tokens = 1.0
+    for nodes, score in enumerate(path_scores, start=1):
+        expected_tokens += score
+        rates.append(expected_tokens / (nodes * draft_ms_per_node + cost.t(other_tokens + nodes + 1)))
+    return rates
+
+
+def choose_budget(
+    path_scores: Sequence[float],
+    cost: CostTable,
+    draft_ms_per_node: float,
+    max_budget: int,
+    other_tokens: int = 0,
+) -> int:
+    """Draft nodes n in 0..min(max_budget, len(path_scores)) maximising `tokens_per_ms`.
+
+    `path_scores` (sorted descending) estimate P(the node's whole path is accepted): a chain's
+    `chain_path_scores`, or a tree's node scores (keeping the n best is a valid tree when every
+    child scores <= its parent). Nodes without a score are not drafted. Returns 0 (plain decoding
+    this step) unless some n > 0 is strictly better; ties go to the smaller draft.
+    """
+    if max_budget < 0:
+        raise ValueError(f"max_budget must be >= 0, got {max_budget}")
+    rates = tokens_per_ms(_check_descending("path_scores", path_scores)[:max_budget], cost, draft_ms_per_node, other_tokens)
+    best = 0
+    for nodes, rate in enumerate(rates):
+        if rate > rates[best]:
+            best = nodes
+    return best
+
+
+def allocate_batch_budget(per_request_scores: Sequence[Sequence[float]], cost: CostTable, draft_ms: float) -> list[int]:
+    """Split draft positions across the requests of one batched verify forward.
+
+    Each request's scores (sorted descending; e.g. ``chain_path_scores`` or tree path
+    probabilities) are the chances its next candidate positions survive. Positions are admitted
+    in order of score across all requests (the best n of all positions, each request keeping a
+    prefix of its list), and n is chosen to maximise expected total tokens per ms:
+
+        (R + S_n) / (n * draft_ms + T(R + n))      R = requests, S_n = sum of the n best scores
+
+    ``draft_ms`` is the cost per admitted position. Unlike "stop at the first position that does
+    not help", this scans every n, so it is the exact optimum of the objective even where a
+    measured T(k) has plateaus and steps. Returns the number of admitted positions per request
+    (0 = plain decoding for it).
+    """
+    num_requests = len(per_request_scores)
+    if num_requests == 0:
+        return []
+    if draft_ms < 0:
+        raise ValueError(f"draft time must be >= 0 ms, got {draft_ms}")
+    candidates = []  # (score, request, position) for every draftable position
+    for request, scores in enumerate(per_request_scores):
+        for position, score in enumerate(_check_descending(f"scores[{request}]", scores)):
+            candidates.append((score, request, position))
+    # best first; within a request the earlier position wins ties, so selections stay prefixes
+    candidates.sort(key=lambda item: (-item[0], item[1], item[2]))
+    best_admitted, best_rate = 0, num_requests / cost.t(num_requests)
+    expected_tokens = float(num_requests)
+    for admitted, (score, _, _) in enumerate(candidates, start=1):
+        expected_tokens += score
+        rate = expected_tokens / (admitted * draft_ms + cost.t(num_requests + admitted))
+        if rate > best_rate:
+            best_admitted, best_rate = admitted, rate
+    budgets = [0] * num_requests
+    for _, request, _ in candidates[:best_admitted]:
+        budgets[request] += 1
+    return budgets
+
+
+@dataclass
+class AcceptanceTracker:
+    """Running per-depth acceptance estimates a_d = P(depth d accepted | depth d reached).
+
+    Each depth keeps exponentially decayed counts (``decay`` per observation) shrunk toward
+    ``prior`` with ``prior_weight`` pseudo-observations, so early estimates are sane and old
+    behaviour fades. Depths never observed report the prior.
+    """
+
+    prior: float = 0.6
+    prior_weight: float = 2.0
+    decay: float = 0.95
+    accepted_weight: list[float] = field(default_factory=list)  # decayed accepts per depth
+    reached_weight: list[float] = field(default_factory=list)  # decayed reaches per depth
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.prior <= 1.0:
+            raise ValueError(f"prior must be in [0, 1], got {self.prior}")
+        if self.prior_weight <= 0:
+            raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+
+    def update(self, drafted_depths: int, accepted: int) -> None:
+        """One verify step: depths 1..drafted_depths were drafted, the first ``accepted`` kept."""
+        if drafted_depths < 0 or not 0 <= accepted <= drafted_depths:
+            raise ValueError(
+                f"need 0 <= accepted <= drafted_depths, got accepted={accepted}, "
+                f"drafted_depths={drafted_depths}"
+            )
+        reached = min(drafted_depths, accepted + 1)  # depths 1..reached were tried
+        while len(self.reached_weight) < reached:
+            self.reached_weight.append(0.0)
+            self.accepted_weight.append(0.0)
+        for index in range(reached):
+            self.reached_weight[index] = self.decay * self.reached_weight[index] + 1.0
+            self.accepted_weight[index] = (
+                self.decay * self.accepted_weight[index] + (1.0 if index < accepted else 0.0)
+            )
+
+    def probs(self, max_depth: int) -> list[float]:
+        """Estimated a_1..a_max_depth."""
+        if max_depth < 0:
+            raise ValueError(f"max_depth must be >= 0, got {max_depth}")
+        estimates = []
+        for index in range(max_depth):
+            accepted = self.accepted_weight[index] if index < len(self.accepted_weight) else 0.0
+            reached = self.reached_weight[index] if index < len(self.reached_weight) else 0.0
+            estimates.append(
+                (self.prior * self.prior_weight + accepted) / (self.prior_weight + reached)
+            )
+        return estimates
+
+    def path_scores(self, max_depth: int) -> list[float]:
+        """P(depths 1..d all accepted) for d = 1..max_depth (input to allocate_batch_budget)."""
+        return chain_path_scores(self.probs(max_depth))
+
+
+# ----------------------------------------------------------------------------- policies
 
 
 class FixedBudget:
@@ -40,11 +224,10 @@ class FixedBudget:
 
 
 class AutoBudget:
-    """Pick each step's budget to maximise expected tokens per second (specdec.cost).
+    """Pick each step's budget to maximise expected tokens per second (choose_budget over specdec.cost's T(k)).
 
-    Chain drafters: E[tau](g) / (g * draft_ms + T(others + g + 1)) over g = 0..max_budget with
-    the sequence's running per-depth acceptance estimates. Tree drafters: the same with node
-    scores = estimated path-survival probabilities. 0 = plain decoding this step.
+    `choose_budget` over the sequence's running path-survival estimates (per depth; a tree's
+    nodes are scored by the same estimates). 0 = plain decoding this step.
 
     Three things keep a drafter that does not pay from costing much:
     - one-off costs: a drafter with its own model must first feed the committed tokens it has
@@ -108,11 +291,9 @@ class AutoBudget:
         one_off_ms = self.catch_up_ms(seq)
         if one_off_ms == 0.0:
             return True
-        scores = self._tracker(seq).path_scores(budget)
-        spec_ms_per_token = (budget * self._draft_ms_per_token(seq) + self.cost.t(others + budget + 1)) / (1 + sum(scores))
-        plain_ms_per_token = self.cost.t(others + 1)
+        rates = tokens_per_ms(self._tracker(seq).path_scores(budget), self.cost, self._draft_ms_per_token(seq), others)
         remaining = self.payback_fraction * (seq.max_new_tokens - seq.generated)
-        return one_off_ms < remaining * (plain_ms_per_token - spec_ms_per_token)
+        return one_off_ms < remaining * (1.0 / rates[0] - 1.0 / rates[budget])  # ms saved per token
 
     def max_budget_for(self, drafter) -> int:
         return 0 if drafter is None else min(self.limit, max(1, 2 * drafter.default_budget))
@@ -136,10 +317,7 @@ class AutoBudget:
         limit = self.max_budget_for(seq.drafter)
         tracker = self._tracker(seq)
         draft_ms = self._draft_ms_per_token(seq)
-        if seq.drafter.makes_trees:
-            chosen = choose_tree_budget(tracker.path_scores(limit), self.cost, 0.0, limit, others, draft_ms)
-        else:
-            chosen = choose_chain_length(tracker.probs(limit), self.cost, draft_ms, limit, others)
+        chosen = choose_budget(tracker.path_scores(limit), self.cost, draft_ms, limit, others)
         if chosen > 0 and self.pays_back(seq, chosen, others):
             self._probe_interval[seq] = self.probe_every  # drafting pays: probe often if it stops paying
             self._idle_steps[seq] = 0

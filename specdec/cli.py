@@ -18,7 +18,7 @@ import time  # noqa: E402
 # Each feature owns its arguments; the CLI only routes.
 SUBCOMMANDS = {
     "theory": ("specdec.theory", "add_theory_arguments", "run_theory", "E[tau], speedup and optimal gamma tables"),
-    "profile": ("specdec.cli", "add_profile_arguments", "cmd_profile", "measure the target's step-cost table T(k)"),
+    "profile": ("specdec.profile", "add_profile_arguments", "run_profile", "measure the target's step-cost table T(k)"),
     "bench": ("specdec.bench.runner", "add_bench_arguments", "run_bench", "Spec-Bench: methods x task kinds, with peers"),
     "serve": ("specdec.server.app", "add_serve_arguments", "run_serve", "OpenAI-compatible HTTP server"),
     "train": ("specdec.train.cli", "add_train_arguments", "run_train", "train drafter heads (medusa, mtp)"),
@@ -67,19 +67,6 @@ def cmd_generate(args) -> int:
     if args.stats:
         print(result.stats.summary_table(), file=sys.stderr)
     return 0
-
-
-def add_profile_arguments(parser) -> None:
-    from .cost import add_profile_arguments as add
-
-    add(parser)
-
-
-def cmd_profile(args) -> int:
-    from .api import load_target
-    from .cost import run_profile
-
-    return run_profile(args, load_target)
 
 
 def cmd_drafters(args) -> int:

@@ -9,20 +9,9 @@ import random
 import pytest
 import torch
 
-from specdec.cost import (
-    AcceptanceTracker,
-    CostTable,
-    add_profile_arguments,
-    allocate_batch_budget,
-    chain_path_scores,
-    choose_chain_length,
-    choose_tree_budget,
-    default_cache_path,
-    get_or_measure,
-    measure_cost_table,
-    plot_cost_table,
-    run_profile,
-)
+from specdec.budget import AcceptanceTracker, allocate_batch_budget, chain_path_scores, choose_budget, tokens_per_ms
+from specdec.cost import CostTable, default_cache_path, get_or_measure, measure_cost_table
+from specdec.profile import add_profile_arguments, plot_cost_table, run_profile
 
 
 # ---------------------------------------------------------------------------- fakes
@@ -205,7 +194,7 @@ def _chain_objective_brute(probs, g, cost, draft_ms, other):
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_choose_chain_length_is_argmax_of_objective(seed):
+def test_choose_budget_on_a_chain_is_argmax_of_objective(seed):
     rng = random.Random(seed)
     table = _random_table(rng)
     for _ in range(20):
@@ -214,7 +203,7 @@ def test_choose_chain_length_is_argmax_of_objective(seed):
         draft_ms = rng.uniform(0.0, 3.0)
         other = rng.choice([0, 0, 3, 7])
         max_gamma = rng.randint(0, 12)
-        chosen = choose_chain_length(probs, table, draft_ms, max_gamma, other)
+        chosen = choose_budget(chain_path_scores(probs), table, draft_ms, max_gamma, other)
         limit = min(max_gamma, depth)
         values = [_chain_objective_brute(probs, g, table, draft_ms, other)
                   for g in range(limit + 1)]
@@ -223,26 +212,26 @@ def test_choose_chain_length_is_argmax_of_objective(seed):
         assert chosen == min(g for g, v in enumerate(values) if v >= best * (1 - 1e-12))
 
 
-def test_choose_chain_length_returns_zero_when_drafting_never_pays():
+def test_choose_budget_returns_zero_when_drafting_never_pays():
     steep = CostTable(k=[1, 2, 4, 8], ms=[10.0, 25.0, 50.0, 100.0])  # worse than linear
-    assert choose_chain_length([0.9] * 8, steep, 0.0, 8) == 0
+    assert choose_budget(chain_path_scores([0.9] * 8), steep, 0.0, 8) == 0
     flat = CostTable(k=[1, 16], ms=[10.0, 10.0])
-    assert choose_chain_length([0.05] * 8, flat, 2.0, 8) == 0  # low acceptance, costly drafter
-    assert choose_chain_length([0.9] * 8, flat, 0.0, 8) == 8  # free verify + drafts: go long
-    assert choose_chain_length([0.9] * 8, flat, 0.0, 0) == 0
+    assert choose_budget(chain_path_scores([0.05] * 8), flat, 2.0, 8) == 0  # low acceptance, costly drafter
+    assert choose_budget(chain_path_scores([0.9] * 8), flat, 0.0, 8) == 8  # free verify + drafts: go long
+    assert choose_budget(chain_path_scores([0.9] * 8), flat, 0.0, 0) == 0
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_choose_tree_budget_is_argmax_of_objective(seed):
+def test_choose_budget_on_tree_scores_is_argmax_of_objective(seed):
     rng = random.Random(100 + seed)
     table = _random_table(rng)
     for _ in range(20):
         scores = sorted((rng.random() ** 2 for _ in range(rng.randint(0, 24))), reverse=True)
-        draft_ms, per_node = rng.uniform(0, 10), rng.choice([0.0, 0.3])
+        per_node = rng.choice([0.0, 0.3, rng.uniform(0, 3)])
         other, max_nodes = rng.choice([0, 5]), rng.randint(0, 30)
-        chosen = choose_tree_budget(scores, table, draft_ms, max_nodes, other, per_node)
+        chosen = choose_budget(scores, table, per_node, max_nodes, other)
         values = [1 / table.t(other + 1)] + [
-            (1 + sum(scores[:n])) / (draft_ms + n * per_node + table.t(other + n + 1))
+            (1 + sum(scores[:n])) / (n * per_node + table.t(other + n + 1))
             for n in range(1, min(max_nodes, len(scores)) + 1)
         ]
         best = max(values)
@@ -253,13 +242,24 @@ def test_choose_tree_budget_is_argmax_of_objective(seed):
 def test_choosers_reject_bad_input():
     table = CostTable(k=[1, 2], ms=[1.0, 2.0])
     with pytest.raises(ValueError, match="descending"):
-        choose_tree_budget([0.2, 0.5], table, 0.0, 4)
+        choose_budget([0.2, 0.5], table, 0.0, 4)
     with pytest.raises(ValueError, match="probability"):
-        choose_chain_length([1.5], table, 0.0, 4)
-    with pytest.raises(ValueError, match="max_gamma"):
-        choose_chain_length([0.5], table, 0.0, -1)
-    with pytest.raises(ValueError, match="max_total_tokens"):
-        allocate_batch_budget([[0.5], [0.4]], table, 0.0, max_total_tokens=1)
+        choose_budget([1.5], table, 0.0, 4)
+    with pytest.raises(ValueError, match="probability"):
+        chain_path_scores([1.5])
+    with pytest.raises(ValueError, match="max_budget"):
+        choose_budget([0.5], table, 0.0, -1)
+    with pytest.raises(ValueError, match="draft time"):
+        choose_budget([0.5], table, -1.0, 4)
+    with pytest.raises(ValueError, match="draft time"):
+        allocate_batch_budget([[0.5], [0.4]], table, -1.0)
+
+
+def test_tokens_per_ms_is_the_step_objective():
+    table = CostTable(k=[1, 2, 4], ms=[10.0, 14.0, 20.0])
+    rates = tokens_per_ms([0.8, 0.5, 0.25], table, 1.5, other_tokens=1)
+    # T(2) = 14, T(3) = 17 (interpolated), T(4) = 20, T(5) = 23 (extrapolated)
+    assert rates == pytest.approx([1 / 14.0, 1.8 / (1.5 + 17.0), 2.3 / (3.0 + 20.0), 2.55 / (4.5 + 23.0)], rel=1e-12)
 
 
 def _batch_objective(per_request, budgets, cost, draft_ms):
@@ -296,7 +296,7 @@ def test_allocate_single_request_equals_chain_chooser():
         probs = [rng.uniform(0.3, 1.0) for _ in range(8)]
         draft_ms = rng.uniform(0.0, 2.0)
         assert allocate_batch_budget([chain_path_scores(probs)], table, draft_ms) == [
-            choose_chain_length(probs, table, draft_ms, 8)
+            choose_budget(chain_path_scores(probs), table, draft_ms, 8)
         ]
 
 
@@ -311,8 +311,6 @@ def test_allocate_batch_budget_shrinks_as_requests_join():
         assert max(budgets) - min(budgets) <= 1  # identical requests share evenly
     assert per_request_budget == sorted(per_request_budget, reverse=True)
     assert per_request_budget[0] == 8 and per_request_budget[-1] == 0
-    capped = allocate_batch_budget([scores] * 2, table, 0.0, max_total_tokens=6)
-    assert sum(capped) == 4
 
 
 def test_acceptance_tracker_prior_and_convergence():

@@ -1,0 +1,97 @@
+"""`specdec profile`: measure (or reuse) the target's step-cost table T(k), print and plot it."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from .cost import DEFAULT_KS, CostTable, default_cache_path, get_or_measure
+
+
+def plot_cost_table(table: CostTable, path: str | os.PathLike) -> Path:
+    """Save a PNG of T(k)/T(1) vs k with the memory-bound ideal (1) for reference."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6, 4))
+    FigureCanvasAgg(figure)  # Agg without touching pyplot's global backend
+    axes = figure.add_subplot()
+    axes.plot(table.k, [table.ratio(k) for k in table.k], marker="o", label="measured T(k)/T(1)")
+    axes.axhline(1.0, linestyle="--", color="gray", label="memory-bound ideal")
+    axes.set_xlabel("k (new tokens in one forward)")
+    axes.set_ylabel("T(k) / T(1)")
+    model = table.key.get("model", "")
+    device = table.key.get("device", "")
+    axes.set_title(f"verify cost {model} {device}".strip())
+    axes.set_ylim(bottom=0)
+    axes.legend()
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    return path
+
+
+def _parse_ks(text: str) -> list[int]:
+    try:
+        ks = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(
+            f"--ks must be comma-separated integers like 1,2,4,8, got {text!r}"
+        ) from None
+    if not ks or min(ks) < 1:
+        raise ValueError(f"--ks needs integers >= 1, got {text!r}")
+    return ks
+
+
+def add_profile_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Options of ``specdec profile``."""
+    parser.add_argument("--model", required=True, help="registry name, HF dir or .gguf file")
+    parser.add_argument("--dtype", default="float32", help="weights dtype for the target")
+    parser.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)),
+                        help="token counts to time, comma-separated")
+    parser.add_argument("--prefix-len", type=int, default=64, help="context length before k")
+    parser.add_argument("--repeats", type=int, default=5, help="timed forwards per k (median)")
+    parser.add_argument("--json", action="store_true",
+                        help='print only {"k": [...], "ms": [...]} on stdout')
+    parser.add_argument("--plot", default=None, help="save T(k)/T(1) vs k as this PNG")
+    parser.add_argument("--cached", action="store_true",
+                        help="reuse the cached table for this setup instead of re-measuring")
+    return parser
+
+
+def run_profile(args: argparse.Namespace, load_target_fn: Callable | None = None, out=None) -> int:
+    """Measure (or load) T(k) for ``args.model``, cache it, print it; returns the exit code."""
+    if load_target_fn is None:
+        from .api import load_target as load_target_fn
+    out = out if out is not None else sys.stdout
+    ks = _parse_ks(args.ks)
+    # keep stdout clean for --json: anything printed while loading/measuring goes to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        target = load_target_fn(args.model, dtype=args.dtype)
+        table = get_or_measure(
+            target, ks, prefix_len=args.prefix_len, repeats=args.repeats,
+            refresh=not args.cached, progress=True,
+        )
+        if args.plot:
+            plot_cost_table(table, args.plot)
+    requested = [k for k in table.k if k in set(ks)]
+    if args.json:
+        print(json.dumps({"k": requested, "ms": [table.t(k) for k in requested]}), file=out)
+        return 0
+    print(f"T(k) for {table.key.get('model')} on {table.key.get('device')} "
+          f"({table.key.get('dtype')}, {table.key.get('threads')} threads, "
+          f"prefix {table.key.get('prefix_len')})", file=out)
+    print(f"{'k':>4} {'ms':>10} {'T(k)/T(1)':>10}", file=out)
+    for k in requested:
+        print(f"{k:>4} {table.t(k):>10.2f} {table.ratio(k):>10.2f}", file=out)
+    print(f"cached at {default_cache_path(table.key)}", file=out)
+    if args.plot:
+        print(f"plot saved to {args.plot}", file=out)
+    return 0
