@@ -9,6 +9,7 @@ from .drafters.base import Drafter
 from .budget import budget_policy_for
 from .loop import Generation, run
 from .sampling import SamplingParams
+from .streaming import TextDeltas
 
 
 def load_target(name_or_path: str, dtype: str = "float32", progress: bool = True):
@@ -29,14 +30,9 @@ def generate_batch(
 ) -> list[Generation]:
     """Generate for several prompts in one batch (ragged lengths); each result equals the prompt run alone."""
     prompt_ids = [target.encode_prompt(p) for p in prompts]
-    steps = run(target, prompt_ids, drafter, max_new_tokens, sampling, stop, budget_policy_for(target, drafter, gamma))
+    generation = run(target, prompt_ids, drafter, max_new_tokens, sampling, stop, budget_policy_for(target, drafter, gamma))
     start = time.perf_counter()
-    while True:
-        try:
-            next(steps)
-        except StopIteration as finished:
-            results = finished.value
-            break
+    results = generation.finish()
     elapsed = time.perf_counter() - start
     for result in results:
         result.stats.time_total_s += elapsed
@@ -67,25 +63,15 @@ def stream(
 ) -> Iterator[str]:
     """Yield the text as it is committed (several tokens per step when drafts are accepted).
 
-    The text of the stream concatenates to `generate(...).text` (stop strings are held back
-    until it is clear they do not match)."""
+    The text of the stream concatenates to `generate(...).text` (specdec.streaming.TextDeltas:
+    stop strings are held back until it is clear they do not match)."""
     prompt_ids = [target.encode_prompt(prompt)]
-    steps = run(target, prompt_ids, drafter, max_new_tokens, sampling, stop, budget_policy_for(target, drafter, gamma))
-    output: list[int] = []
-    sent = 0
-    holdback = max((len(s) for s in stop), default=0)
-    while True:
-        try:
-            committed = next(steps)
-        except StopIteration as finished:
-            final = finished.value[0].text
-            if len(final) > sent:
-                yield final[sent:]
-            return
-        output.extend(committed[0])
-        text = target.decode(output)
-        # keep back an incomplete UTF-8 char (U+FFFD) and a possible stop-string prefix
-        safe = len(text.rstrip("\ufffd")) - holdback
-        if safe > sent:
-            yield text[sent:safe]
-            sent = safe
+    generation = run(target, prompt_ids, drafter, max_new_tokens, sampling, stop, budget_policy_for(target, drafter, gamma))
+    deltas = TextDeltas(target.decode, (stop,) if isinstance(stop, str) else stop)
+    for committed in generation:
+        piece = deltas.push(committed[0])
+        if piece:
+            yield piece
+    rest = deltas.finish(generation.result[0].text)
+    if rest:
+        yield rest

@@ -60,6 +60,16 @@ class RunningSequence:
     def generated(self) -> int:
         return len(self.ctx.tokens) - self.ctx.num_prompt_tokens
 
+    def output_text(self, target) -> str:
+        """The decoded output, cut where a matched stop string starts."""
+        text = target.decode(self.ctx.output_tokens)
+        return text if self.stop_text_cut is None else text[: self.stop_text_cut]
+
+
+def kv_room(policy, drafter: Drafter | None, prompt_len: int, max_new_tokens: int) -> int:
+    """KV slots one sequence may need: prompt + output + the largest draft block + root and bonus."""
+    return prompt_len + max_new_tokens + (policy.max_budget_for(drafter) if drafter is not None else 0) + 2
+
 
 class SpecBatch:
     """Sequences that share one target forward per step; they can join and leave between steps.
@@ -83,8 +93,8 @@ class SpecBatch:
         return self.cache.batch_size
 
     def room_needed(self, prompt_len: int, max_new_tokens: int) -> int:
-        """KV slots one sequence may need: prompt + output + the largest draft block."""
-        return prompt_len + max_new_tokens + (self.policy.max_budget_for(self.drafter) if self.drafter else 0) + 2
+        """KV slots one sequence may need (`kv_room` under this batch's policy and drafter)."""
+        return kv_room(self.policy, self.drafter, prompt_len, max_new_tokens)
 
     def add(self, prompts: Sequence[list[int]], sampling: Sequence[SamplingParams], max_new_tokens: Sequence[int],
             stop: Sequence[Sequence[str]]) -> list[RunningSequence]:
@@ -207,6 +217,32 @@ def _as_stop_tuple(stops) -> tuple[str, ...]:
     return (stops,) if isinstance(stops, str) else tuple(stops)
 
 
+class Run:
+    """One batch generation. Iterating runs it: after the prefill and after every step it yields
+    the tokens each sequence committed then (one list per prompt). When the iteration has ended,
+    `result` holds one Generation per prompt; `finish()` runs to the end and returns it."""
+
+    def __init__(self, steps: Iterator[list[list[int]]]):
+        self._steps = steps
+        self._result: list[Generation] | None = None
+
+    def __iter__(self) -> Iterator[list[list[int]]]:
+        result = yield from self._steps
+        if self._result is None:
+            self._result = result
+
+    def finish(self) -> list[Generation]:
+        for _ in self:
+            pass
+        return self.result
+
+    @property
+    def result(self) -> list[Generation]:
+        if self._result is None:
+            raise RuntimeError("the run has not finished: iterate over it (or call finish()) first")
+        return self._result
+
+
 def run(
     target,
     prompts: Sequence[list[int]],
@@ -215,9 +251,12 @@ def run(
     sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
     stop: Sequence[str] = (),
     budget_policy=None,
-) -> Iterator[list[list[int]]]:
-    """Generate for a batch of prompts (token ids). Yields, after every step, the tokens each
-    sequence committed in that step; returns (via StopIteration.value) the list of Generation."""
+) -> Run:
+    """Generate for a batch of prompts (token ids); nothing runs until the Run is iterated."""
+    return Run(_run_steps(target, prompts, drafter, max_new_tokens, sampling, stop, budget_policy))
+
+
+def _run_steps(target, prompts, drafter, max_new_tokens, sampling, stop, budget_policy):
     if not prompts:
         raise ValueError("no prompts given")
     if max_new_tokens < 1:
@@ -227,14 +266,15 @@ def run(
         raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
     policy = budget_policy or FixedBudget()
     longest = max(len(p) for p in prompts)
-    max_len = longest + max_new_tokens + (policy.max_budget_for(drafter) if drafter else 0) + 2
+    max_len = kv_room(policy, drafter, longest, max_new_tokens)
     batch = SpecBatch(target, drafter, policy, max_batch=len(prompts), max_len=max_len)
     seqs = batch.add(prompts, params, [max_new_tokens] * len(prompts), [stop] * len(prompts))
     yield [seq.last_committed for seq in seqs]
     while batch.seqs:
         ran = set(map(id, batch.step()))
         yield [seq.last_committed if id(seq) in ran else [] for seq in seqs]
-    return [_finish(seq, target) for seq in seqs]
+    return [Generation(seq.ctx.output_tokens, seq.output_text(target), seq.stats, seq.finish_reason or "length")
+            for seq in seqs]
 
 
 def _propose(seq: RunningSequence, budget: int) -> Draft:
@@ -297,14 +337,6 @@ def _hit_stop_string(seq: RunningSequence, target) -> bool:
         seq.stop_text_cut = min(cuts)
         return True
     return False
-
-
-def _finish(seq: RunningSequence, target) -> Generation:
-    output = seq.ctx.output_tokens
-    text = target.decode(output)
-    if seq.stop_text_cut is not None:
-        text = text[: seq.stop_text_cut]
-    return Generation(output, text, seq.stats, seq.finish_reason or "length")
 
 
 class _timers:

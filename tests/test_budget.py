@@ -121,19 +121,8 @@ def test_small_model_skips_prefill_of_a_long_prompt_and_stays_lossless(tiny_targ
         drafter = make_drafter("small-model", tiny_target, draft_target=tiny_target)
         drafter._cost_tokens = 0.1  # a draft model a tenth of the target's cost per token
         table = CostTable({}, [1, 2, 4, 8, 16, 256], [10.0, 10.5, 11.0, 12.0, 14.0, 1000.0])
-        steps = run(tiny_target, [prompt], drafter, 12, budget_policy=AutoBudget(table, max_budget=6))
-        while True:
-            try:
-                next(steps)
-            except StopIteration as finished:
-                outputs[name] = finished.value[0]
-                break
-        plain = run(tiny_target, [prompt], None, 12)
-        while True:
-            try:
-                next(plain)
-            except StopIteration as finished:
-                assert finished.value[0].tokens == outputs[name].tokens
-                break
+        outputs[name] = run(tiny_target, [prompt], drafter, 12, budget_policy=AutoBudget(table, max_budget=6)).finish()[0]
+        plain = run(tiny_target, [prompt], None, 12).finish()
+        assert plain[0].tokens == outputs[name].tokens
     assert outputs["long"].stats.drafted_tokens == 0
     assert outputs["short"].stats.drafted_tokens > 0

@@ -126,11 +126,7 @@ def test_bad_input_is_a_clear_error(tiny_target):
 
 
 def _drain(steps):
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
+    return steps.finish()
 
 
 def test_sequences_join_and_leave_a_running_batch(tiny_target):
@@ -155,3 +151,41 @@ def test_sequences_join_and_leave_a_running_batch(tiny_target):
     assert first.ctx.output_tokens == alone[0][: len(first.ctx.output_tokens)]
     with pytest.raises(ValueError, match="does not fit"):
         batch.add([list(range(1, 60))], [greedy], [12], [()])
+
+
+def test_run_yields_each_steps_tokens_and_hands_back_the_result(tiny_target):
+    generation = run(tiny_target, [[5, 6, 7], [20, 21]], make_drafter("oracle", tiny_target, gamma=3), 12)
+    with pytest.raises(RuntimeError, match="not finished"):
+        generation.result
+    steps = list(generation)
+    results = generation.result
+    assert generation.finish() is results  # already finished: nothing runs again
+    for row, result in enumerate(results):
+        assert [token for step in steps for token in step[row]] == result.tokens
+        assert result.tokens == generate(tiny_target, [[5, 6, 7], [20, 21]][row], max_new_tokens=12).tokens
+
+
+def test_kv_room_sizes_both_the_batch_check_and_the_runs_cache(tiny_target):
+    from specdec.budget import FixedBudget
+    from specdec.loop import SpecBatch, kv_room
+
+    drafter = make_drafter("oracle", tiny_target, gamma=5)
+    assert kv_room(FixedBudget(), drafter, 10, 20) == 10 + 20 + 5 + 2
+    assert kv_room(FixedBudget(3), None, 10, 20) == 10 + 20 + 2
+    batch = SpecBatch(tiny_target, drafter, FixedBudget(4), max_batch=1, max_len=kv_room(FixedBudget(4), drafter, 3, 8))
+    assert batch.room_needed(3, 8) == batch.cache.max_len
+    batch.add([[5, 6, 7]], [SamplingParams()], [8], [()])  # exactly fits
+    with pytest.raises(ValueError, match="does not fit"):
+        SpecBatch(tiny_target, drafter, FixedBudget(4), max_batch=1, max_len=batch.cache.max_len - 1).add(
+            [[5, 6, 7]], [SamplingParams()], [8], [()])
+
+
+def test_stream_holds_back_stop_strings_like_the_server(tiny_target):
+    """api.stream and the server share specdec.streaming.TextDeltas: no piece shows the stop string."""
+    plain = generate(tiny_target, [5, 6, 7], max_new_tokens=20)
+    stop = plain.text[6:8]
+    stopped = generate(tiny_target, [5, 6, 7], max_new_tokens=20, stop=[stop])
+    assert stopped.finish_reason == "stop" and stopped.text == plain.text[: plain.text.index(stop)]
+    pieces = list(stream(tiny_target, [5, 6, 7], make_drafter("oracle", tiny_target, gamma=3), max_new_tokens=20, stop=[stop]))
+    assert "".join(pieces) == stopped.text
+    assert all(stop not in "".join(pieces[: i + 1]) for i in range(len(pieces)))

@@ -108,13 +108,7 @@ class SpecdecMethod(BenchMethod):
 
     def generate(self, prompt_ids, max_new_tokens, sampling) -> MethodOutput:
         start = time.perf_counter()
-        steps = run_loop(self.target, [list(prompt_ids)], self.drafter, max_new_tokens, sampling, (), self.policy)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as finished:
-                generation = finished.value[0]
-                break
+        generation = run_loop(self.target, [list(prompt_ids)], self.drafter, max_new_tokens, sampling, (), self.policy).finish()[0]
         generation.stats.time_total_s += time.perf_counter() - start
         return MethodOutput(generation.tokens, generation.stats)
 

@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP server with continuous batching and load-aware speculation (`specdec serve`)."""
 
 from .app import create_app
-from .scheduler import Scheduler, TextDeltas
+from ..streaming import TextDeltas
+from .scheduler import Scheduler
 
 __all__ = ["Scheduler", "TextDeltas", "create_app"]

@@ -25,8 +25,8 @@ from ..budget import budget_policy_for, parse_gamma
 from ..models.registry import DEFAULT_MODEL
 from ..sampling import SamplingParams, make_generator
 from .metrics import ServerMetrics
-from .scheduler import (FinishedEvent, GenerationRequest, QueueFullError, Scheduler, SchedulerStoppedError, TextDeltas,
-                        TokensEvent)
+from ..streaming import TextDeltas
+from .scheduler import FinishedEvent, GenerationRequest, QueueFullError, Scheduler, SchedulerStoppedError, TokensEvent
 from .schemas import ChatCompletionRequest, CompletionRequest, describe_validation_error, error_body
 
 log = logging.getLogger("specdec.server")

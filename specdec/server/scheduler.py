@@ -10,9 +10,7 @@ from an asyncio queue; the scheduler thread loops:
     4. push each request's newly committed tokens (`seq.last_committed`) to its event loop with
        `call_soon_threadsafe`; a finished sequence gets its final text, reason and stats
 
-`TextDeltas` turns a growing token list into text deltas for streaming: it holds back an
-incomplete UTF-8 character and any tail that could be the start of a stop string, and its
-pieces always concatenate to the non-streamed text.
+Streaming text deltas (`TextDeltas`, specdec.streaming) are shared with `specdec.stream`.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..budget import FixedBudget
-from ..loop import SpecBatch
+from ..loop import SpecBatch, kv_room
 from ..sampling import SamplingParams
 from ..stats import SpecStats
 from .metrics import ServerMetrics
@@ -97,8 +95,7 @@ class Scheduler:
         self.metrics = metrics or ServerMetrics()
         policy = budget_policy or FixedBudget()
         # size the cache so any prompt + max_tokens <= max_model_len fits with the largest draft block
-        draft_room = policy.max_budget_for(drafter) if drafter is not None else 0
-        self.batch = SpecBatch(target, drafter, policy, max_batch=max_running, max_len=max_model_len + draft_room + 2)
+        self.batch = SpecBatch(target, drafter, policy, max_batch=max_running, max_len=kv_room(policy, drafter, max_model_len, 0))
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
         self._running: dict[object, GenerationRequest] = {}  # SpecBatch sequence -> request
         self._wake = threading.Condition()
@@ -246,9 +243,7 @@ class Scheduler:
         seq = request.sequence
         self._running.pop(seq, None)
         output = list(seq.ctx.output_tokens)
-        text = self.target.decode(output)
-        if seq.stop_text_cut is not None:
-            text = text[: seq.stop_text_cut]
+        text = seq.output_text(self.target)
         decode_seconds = time.perf_counter() - request.first_token_at if request.first_token_at else None
         self.metrics.record_finished(seq.stats, reason, decode_seconds)
         self._push(request, FinishedEvent(reason, text, output, seq.stats))
@@ -285,48 +280,3 @@ class Scheduler:
             request.loop.call_soon_threadsafe(request.events.put_nowait, event)
         except RuntimeError:  # the client's event loop is closed: nobody is listening
             pass
-
-
-class TextDeltas:
-    """Text deltas for streaming that always concatenate to the final (non-streamed) text."""
-
-    def __init__(self, decode, stop_strings=()):
-        self.decode = decode
-        self.stop_strings = tuple(s for s in stop_strings if s)
-        self.tokens: list[int] = []
-        self.sent = ""  # text already handed out
-
-    def push(self, tokens: list[int]) -> str:
-        """Add committed tokens; return the new text that is safe to send (may be "")."""
-        self.tokens.extend(tokens)
-        text = self.decode(self.tokens)
-        safe = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character decodes to U+FFFD
-        matched = [text.find(stop) for stop in self.stop_strings if stop in text]
-        if matched:  # the generation ends at the first stop string: never send it or what follows
-            safe = min(safe, *matched)
-        else:
-            safe -= self._possible_stop_prefix(text[:safe])
-        if safe <= len(self.sent) or not text.startswith(self.sent):
-            return ""
-        delta = text[len(self.sent) : safe]
-        self.sent += delta
-        return delta
-
-    def finish(self, final_text: str) -> str:
-        """The rest of the final text (the scheduler's text: stop string already cut off)."""
-        if not final_text.startswith(self.sent):  # cannot happen with prefix-stable decoding
-            log.warning("streamed text diverged from the final text")
-            return ""
-        delta = final_text[len(self.sent) :]
-        self.sent = final_text
-        return delta
-
-    def _possible_stop_prefix(self, text: str) -> int:
-        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self.stop_strings:
-            for size in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:size]):
-                    longest = size
-                    break
-        return longest
