@@ -286,8 +286,8 @@ class AutoBudget:
 
     def pays_back(self, seq, budget: int, others: int) -> bool:
         """Whether drafting `budget` nodes now, catch-up included, is expected to save time within
-        `payback_fraction` of the tokens left to max_new_tokens (answers often end early at EOS:
-        a Spec-Bench RAG answer stopped at 18 of 64 tokens, after a 741-token draft prefill)."""
+        `payback_fraction` of the tokens left to max_new_tokens (answers often end early at EOS,
+        see docs/results.md)."""
         one_off_ms = self.catch_up_ms(seq)
         if one_off_ms == 0.0:
             return True

@@ -8,7 +8,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported 
 
 import argparse  # noqa: E402
 import importlib  # noqa: E402
-import importlib.util  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
@@ -91,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from .models.registry import DEFAULT_MODEL, add_models_arguments, run_models
+    from .models.registry import DEFAULT_MODEL, add_models_arguments
 
     gen = sub.add_parser("generate", help="generate text (plain or speculative)")
     gen.add_argument("prompt", help="the user message (the chat template is applied when the model has one)")
@@ -113,24 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats)")
     gen.set_defaults(func=cmd_generate)
 
-    models = add_models_arguments(sub)
-    models.set_defaults(func=run_models)
+    add_models_arguments(sub)  # sets func=run_models
 
     drafters = sub.add_parser("drafters", help="list drafters and their options")
     drafters.set_defaults(func=cmd_drafters)
 
-    if importlib.util.find_spec("specdec.datastore") is not None:
-        from .datastore import add_datastore_arguments, run_datastore
+    from .datastore import add_datastore_arguments
 
-        add_datastore_arguments(sub).set_defaults(func=run_datastore)
+    add_datastore_arguments(sub)  # sets func=run_datastore
 
     for name, (module_name, add_fn, run_fn, help_text) in SUBCOMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as missing:
-            if missing.name and module_name.startswith(missing.name):
-                continue  # this feature is not part of the build yet
-            raise
+        module = importlib.import_module(module_name)
         command = sub.add_parser(name, help=help_text)
         getattr(module, add_fn)(command)
         command.set_defaults(func=getattr(module, run_fn))

@@ -373,7 +373,7 @@ def write_datastore(output_dir, tokens: np.ndarray, suffix_array: np.ndarray, ma
 
 
 def add_datastore_arguments(subparsers) -> argparse.ArgumentParser:
-    """Add `datastore build FILES... -o DIR --model NAME` and `datastore info DIR`; handler = run_datastore."""
+    """Add `datastore build FILES... -o DIR --model NAME` and `datastore info DIR`; func = run_datastore."""
     parser = subparsers.add_parser("datastore", help="build or inspect a retrieval datastore for the rest drafter")
     actions = parser.add_subparsers(dest="datastore_command", required=True)
     build = actions.add_parser("build", help="tokenize text files and build a suffix-array datastore")
@@ -389,7 +389,7 @@ def add_datastore_arguments(subparsers) -> argparse.ArgumentParser:
     )
     info = actions.add_parser("info", help="print a datastore's manifest")
     info.add_argument("directory")
-    parser.set_defaults(handler=run_datastore)
+    parser.set_defaults(func=run_datastore)
     return parser
 
 

@@ -301,7 +301,7 @@ def test_datastore_cli_builds_with_the_model_tokenizer(tmp_path):
     add_datastore_arguments(parser.add_subparsers(dest="command"))
     command = ["datastore", "build", str(tmp_path / "a.txt"), "-o", str(tmp_path / "ds"), "--model", "smollm2-135m"]
     args = parser.parse_args(command)
-    assert args.handler(args) == 0
+    assert args.func(args) == 0
     assert Datastore.open(tmp_path / "ds").manifest["tokenizer"]["model"] == "smollm2-135m"
     assert run_datastore(parser.parse_args(["datastore", "info", str(tmp_path / "ds")])) == 0
 

@@ -190,11 +190,11 @@ def test_models_cli_list_and_marker(tmp_cache, capsys):
     parser = argparse.ArgumentParser()
     registry.add_models_arguments(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["models", "list", "--json"])
-    assert args.handler(args) == 0
+    assert args.func(args) == 0
     rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
     assert rows["smollm2-135m"]["cached"] == "yes" and rows["qwen2.5-coder-1.5b"]["cached"] == "no"
     args = parser.parse_args(["models", "list"])
-    assert args.handler(args) == 0
+    assert args.func(args) == 0
     table = capsys.readouterr().out
     assert "smollm2-135m *" in table and "gemma3-270m" in table
     with pytest.raises(SystemExit):
@@ -455,6 +455,6 @@ def test_models_cli_fetch(tiny_gguf, tmp_path, tmp_cache, monkeypatch, capsys):
     parser = argparse.ArgumentParser()
     registry.add_models_arguments(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["models", "fetch", "tiny-cli", "--force"])
-    assert args.handler(args) == 0
+    assert args.func(args) == 0
     printed = capsys.readouterr().out.strip().splitlines()[-1]
     assert printed == str(registry.model_cache_dir("tiny-cli")) and (registry.model_cache_dir("tiny-cli") / "specdec.json").is_file()

@@ -21,10 +21,9 @@ accepted like any other deterministic proposal. Verification candidates come fir
 trie, so the verifier tries them first.
 
 Where the window logits come from: the loop's verify forward already computed the target's
-logits at every node. A loop that sets `ctx.all_node_logits` ([N + 1, V], raw logits for the
-root and every node of the last draft) before `on_verified` for drafters with
-`wants_node_logits = True` makes the window free. Without it the drafter runs the same tree
-through the target itself, on its own KV cache (a second forward per step: correct but slower).
+logits at every node, and hands them over as `ctx.all_node_logits` ([N + 1, V], raw logits for
+the root and every node of the last draft) before `on_verified`, because this drafter sets
+`wants_node_logits = True`. The window costs no forward of its own.
 
 Lossless at any temperature: every proposal is deterministic given the history. The window is
 initialised from the prompt with the drafter's own seeded RNG (`init_seed`), updated only with
@@ -56,7 +55,6 @@ from .base import DraftContext, Drafter, register_drafter
 MAX_WINDOW_SIZE = 64
 MAX_NGRAM_SIZE = 16
 MAX_GUESS_SET_SIZE = 64
-MIN_OWN_CACHE_LEN = 256  # the fallback cache grows by doubling from here
 
 
 class _TokenTrie:
@@ -151,7 +149,6 @@ class LookaheadDrafter(Drafter):
     def begin(self, prompt_ids: list[int], target) -> None:
         if not prompt_ids:
             raise ValueError("the lookahead drafter needs a non-empty prompt")
-        self.target = target
         rng = random.Random(self.init_seed)  # the drafter's own RNG: never the sampling generator
         # levels[j][i]: guess for the token at depth i + j; levels[0][0] is never used (the root)
         self.levels = [
@@ -161,9 +158,6 @@ class LookaheadDrafter(Drafter):
         self.pool: dict[int, list[tuple[int, ...]]] = {}  # first token -> continuations, newest first
         self.context_ngrams_done = 0  # n-grams of committed tokens already pooled (by start index)
         self.proposal: _Proposal | None = None
-        self.own_cache = None  # fallback only: this drafter's KV cache of committed tokens
-        self.own_cached_tokens: list[int] = []
-        self.separate_forwards = 0  # fallback forwards run (0 when the loop supplies node logits)
         if self.context_ngrams:
             self._pool_context_ngrams(prompt_ids)
 
@@ -243,46 +237,11 @@ class LookaheadDrafter(Drafter):
 
     # ------------------------------------------------------------------ window logits
     def _node_logits(self, proposal: _Proposal, result, ctx: DraftContext) -> torch.Tensor:
-        """Target logits [n + 1, V] at the root and every node of the proposal."""
-        supplied = getattr(ctx, "all_node_logits", None)
-        if supplied is not None and supplied.shape[0] == len(proposal.draft) + 1:
-            return supplied
-        return self._separate_forward(proposal, result, ctx)
-
-    def _separate_forward(self, proposal: _Proposal, result, ctx: DraftContext) -> torch.Tensor:
-        """Fallback: run [uncached committed tokens, root, *nodes] through the target on our own
-        cache (one forward), then keep only the accepted path so the cache stays = committed."""
-        draft = proposal.draft
-        committed = ctx.tokens[: proposal.num_committed]  # up to and including the root
-        prefix = committed[:-1]  # what must sit in the cache before the tree block
-        self._ensure_own_cache(len(committed) + len(draft))
-        common = 0
-        limit = min(len(self.own_cached_tokens), len(prefix))
-        while common < limit and self.own_cached_tokens[common] == prefix[common]:
-            common += 1
-        self.own_cache.truncate(common)
-        uncached = prefix[common:]
-        num_uncached, tree_size = len(uncached), len(draft) + 1
-        block = num_uncached + tree_size
-        tokens = torch.tensor([uncached + [committed[-1]] + draft.tokens.tolist()], dtype=torch.long)  # [1, T]
-        positions = torch.cat(
-            [torch.arange(common, common + num_uncached), draft.positions(common + num_uncached)]
-        )[None]  # [1, T]
-        mask = torch.zeros(block, block, dtype=torch.bool)  # [T, T] among the new tokens
-        mask[:, :num_uncached] = torch.ones(block, num_uncached, dtype=torch.bool)
-        mask[:num_uncached, :num_uncached] = torch.ones(num_uncached, num_uncached, dtype=torch.bool).tril()
-        mask[num_uncached:, num_uncached:] = draft.tree_attention_mask()
-        logits, _ = self.target.forward(tokens, positions, self.own_cache, attn_mask=mask[None])
-        self.separate_forwards += 1
-        tree_start = common + num_uncached
-        self.own_cache.keep(0, tree_start, [0] + [1 + node for node in result.path])
-        path_tokens = [int(draft.tokens[node]) for node in result.path]
-        self.own_cached_tokens = committed + path_tokens
-        return logits[0, num_uncached:]  # [n + 1, V]
-
-    def _ensure_own_cache(self, needed: int) -> None:
-        if self.own_cache is not None and self.own_cache.max_len >= needed:
-            return
-        size = max(MIN_OWN_CACHE_LEN, 2 * needed)
-        self.own_cache = self.target.new_cache(1, size)
-        self.own_cached_tokens = []
+        """Target logits [n + 1, V] at the root and every node of the proposal (from the loop)."""
+        supplied = ctx.all_node_logits
+        if supplied is None or supplied.shape[0] != len(proposal.draft) + 1:
+            raise RuntimeError(
+                "the lookahead drafter needs the verify forward's logits at every draft node in "
+                "ctx.all_node_logits (wants_node_logits = True); this loop did not supply them"
+            )
+        return supplied

@@ -324,9 +324,7 @@ class MTPSequentialModule(DraftHeads):
         passes RMSNorm(hidden) through (the token half starts at zero) and the block (a copy of the
         target's last block, so its attention / MLP features are meaningful) has its two output
         projections zeroed, so it starts as the identity on the residual stream — zero-initialised
-        residual branches. From a random projection the module first learnt a bigram model of the
-        next token and ignored the hidden state (equal agreement at every depth, ~0.19 after 250
-        steps on Qwen2.5-0.5B data)."""
+        residual branches (docs/results.md: why not a random projection)."""
         last_block = target.model.model.layers[-1].state_dict()
         self.block.load_state_dict({name: tensor.float() for name, tensor in last_block.items()})
         hidden_size = self.proj.weight.shape[0]

@@ -178,7 +178,6 @@ class LlamaModel(nn.Module):
         attn_mask: torch.Tensor | None = None,
         hidden_layers: Sequence[int] = (),
         layer_ids: Sequence[int] | None = None,
-        compute_logits: bool = True,
         token_valid: torch.Tensor | None = None,
     ):
         """tokens / positions [B, T]; attn_mask [B, T, T] among new tokens or None (causal).
@@ -186,7 +185,7 @@ class LlamaModel(nn.Module):
         `layer_ids` runs only a subset of blocks (layer-skip self-drafting); the cache then has
         one slot per listed block. `token_valid [B, T]` (bool) marks real tokens in a padded
         batch: linear layers and the LM head skip the others, whose logits/hiddens are zeros.
-        Returns (logits [B, T, V] float32 or None, {layer: hidden [B, T, H]}).
+        Returns (logits [B, T, V] float32, {layer: hidden [B, T, H]}).
         """
         batch, num_new = tokens.shape
         cache.check_room(num_new)
@@ -208,7 +207,7 @@ class LlamaModel(nn.Module):
         x = self.model.norm(x)
         if self.config.num_hidden_layers in wanted:
             hiddens[self.config.num_hidden_layers] = x
-        logits = _packed(self.lm_head, x, rows).float() if compute_logits else None  # [B, T, V]
+        logits = _packed(self.lm_head, x, rows).float()  # [B, T, V]
         return logits, hiddens
 
 

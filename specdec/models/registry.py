@@ -502,7 +502,7 @@ def list_models() -> list[dict]:
 
 
 def add_models_arguments(subparsers) -> argparse.ArgumentParser:
-    """Add `models list|fetch NAME [--force]` to a CLI; the parser's default `handler` is run_models."""
+    """Add `models list|fetch NAME [--force]` to a CLI; the parser's default `func` is run_models."""
     models_parser = subparsers.add_parser("models", help="list or fetch the named real models")
     actions = models_parser.add_subparsers(dest="models_command", required=True)
     list_parser = actions.add_parser("list", help="show registry models and whether they are cached")
@@ -510,7 +510,7 @@ def add_models_arguments(subparsers) -> argparse.ArgumentParser:
     fetch_parser = actions.add_parser("fetch", help="install, verify and convert a model into the cache")
     fetch_parser.add_argument("name", choices=sorted(MODELS), help="registry model name")
     fetch_parser.add_argument("--force", action="store_true", help="rebuild even if already cached")
-    models_parser.set_defaults(handler=run_models)
+    models_parser.set_defaults(func=run_models)
     return models_parser
 
 
