@@ -1,27 +1,34 @@
 """Fallback target: any transformers causal LM behind specdec's Target contract.
 
 The native runtime (llama.py) covers the Llama family; this wraps everything else
-(AutoModelForCausalLM from a HF-format dir) with the same interface:
+(AutoModelForCausalLM from a HF-format dir, e.g. Gemma 3) with the same interface:
 
-    target.new_cache(batch_size=1, max_len=...) -> HFCache
+    target.new_cache(batch_size=1, max_len=...) -> KVCache (specdec/kv_cache.py, as the native runtime)
     target.forward(tokens[B, T], positions[B, T], cache, attn_mask[B, T, T] | None, hidden_layers)
         -> (logits[B, T, V] float32, {layer: hidden[B, T, H]})
 
-Tree attention is just an explicit mask: the [B, T, T] mask among the new tokens is widened to
-a 4D additive mask over [cached + new] keys, which transformers passes to attention unchanged.
-The cache is transformers' DynamicCache built WITHOUT a config, so every layer keeps all its
-keys (no sliding-window eviction) and truncate/keep are plain slicing; sliding-window layers
-still get their window through the mask.
+The K/V live in the same preallocated KVCache the native runtime uses, so per-row lengths,
+rollback (`truncate`), tree-path compaction (`keep`), row views (`rows`) and `move_row` behave
+identically for every batch size. transformers reaches it through a thin `Cache` adapter whose
+layers write each row's new K/V after that row's own length. The model never builds a mask:
+forward passes explicit 4D masks (one per layer type) that hide the slots a row does not own,
+apply the tree mask among new tokens, and apply sliding windows on positions, so every layer
+keeps all its keys and sliding-window layers still see exactly their window.
+
+Not supported (a clear error says so): layer types other than full / sliding attention
+(linear attention, chunked attention, ...), layers whose K/V shape differs from the config's,
+and layer-skip drafting (`layer_ids`); use a Llama-family model on the native runtime for those.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
 
 import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..kv_cache import KVCache
 from .base import Target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,70 +45,47 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ValueError(f"unsupported dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
 
 
-class HFCache:
-    """KV cache of an HFTarget: a DynamicCache whose rows all have the same length."""
+class _KVCacheLayer(CacheLayerMixin):
+    """transformers' per-layer cache interface over one layer of a specdec KVCache.
 
-    def __init__(self, batch_size: int, max_len: int):
-        from transformers import DynamicCache
+    `update` writes the new keys / values after each row's own cached length (rows may differ)
+    and returns keys / values [B, H_kv, max(lengths) + T, D]; the explicit mask built by
+    HFTarget.forward hides every slot a row does not own. Lengths advance once per forward.
+    """
 
-        if batch_size < 1 or max_len < 1:
-            raise ValueError(f"batch_size and max_len must be >= 1 (got {batch_size}, {max_len})")
-        self.batch_size = batch_size
-        self.max_len = max_len
-        self.dynamic = DynamicCache()  # no config: every layer a full DynamicLayer (see module doc)
+    is_sliding = False  # every layer keeps all its keys; sliding windows are applied by the mask
 
-    @property
-    def length(self) -> int:
-        return self.dynamic.get_seq_length()
+    def __init__(self, cache: KVCache, layer: int):
+        super().__init__()
+        self.cache, self.layer = cache, layer
+        self.is_initialized = True
 
-    @property
-    def lengths(self) -> torch.Tensor:
-        """LongTensor[B]: tokens cached per row (equal for every row here)."""
-        return torch.full((self.batch_size,), self.length, dtype=torch.long)
+    def lazy_initialization(self, key_states, value_states) -> None:  # storage is preallocated
+        pass
 
-    def _layers(self):
-        return [layer for layer in self.dynamic.layers if getattr(layer, "is_initialized", False)]
-
-    def truncate(self, new_lengths: int | torch.Tensor) -> None:
-        """Drop cached tokens beyond `new_lengths` (an int, or LongTensor[B] with equal entries)."""
-        if isinstance(new_lengths, torch.Tensor):
-            values = new_lengths.reshape(-1).tolist()
-            if len(values) != self.batch_size:
-                raise ValueError(f"new_lengths has {len(values)} entries, cache batch size is {self.batch_size}")
-            if len(set(values)) != 1:
-                raise NotImplementedError(
-                    "HFCache (transformers DynamicCache) can only truncate every row to the same length; "
-                    f"got per-row lengths {values}. Use the native runtime for ragged batches."
-                )
-            new_length = int(values[0])
-        else:
-            new_length = int(new_lengths)
-        if not 0 <= new_length <= self.length:
-            raise ValueError(f"cannot truncate to {new_length}: cache holds {self.length} tokens")
-        if new_length < self.length:
-            self.dynamic.crop(new_length - self.length)  # DynamicCache.crop takes a negative count
-
-    def keep(self, seq: int, start: int, offsets: Sequence[int]) -> None:
-        """Compact an accepted tree path: slot start+offsets[i] -> start+i, then length = start+len(offsets)."""
-        if self.batch_size != 1 or seq != 0:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        expected = tuple(self.cache.keys[self.layer].shape[1::2])  # (H_kv, D)
+        got = (key_states.shape[1], key_states.shape[3])
+        if got != expected or value_states.shape != key_states.shape:
             raise NotImplementedError(
-                f"HFCache.keep only supports batch_size 1 and seq 0 (got batch_size {self.batch_size}, seq {seq}): "
-                "rows of a DynamicCache must keep equal lengths"
+                f"HFTarget: layer {self.layer} produced keys {tuple(key_states.shape)} / values {tuple(value_states.shape)}, "
+                f"but the cache holds (kv_heads, head_dim) = {expected} from the config; models whose layers differ in "
+                "KV shape are not supported by the transformers backend"
             )
-        length, offsets = self.length, list(offsets)
-        if offsets != sorted(set(offsets)) or (offsets and offsets[0] < 0):
-            raise ValueError(f"keep offsets must be strictly increasing and >= 0, got {offsets}")
-        if not 0 <= start <= length or (offsets and start + offsets[-1] >= length):
-            raise ValueError(f"keep(start={start}, offsets={offsets}) out of range for cache length {length}")
-        source = torch.tensor(offsets, dtype=torch.long) + start  # [n] slots to keep, in order
-        for layer in self._layers():
-            # keys/values: [B, kv_heads, S, head_dim]; index_select copies before we overwrite
-            layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys.index_select(2, source)], dim=2)
-            layer.values = torch.cat([layer.values[:, :, :start], layer.values.index_select(2, source)], dim=2)
+        return self.cache.write(self.layer, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return int(self.cache.lengths.max()) + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return int(self.cache.lengths.max())
+
+    def get_max_length(self) -> int:
+        return self.cache.max_len
 
 
 class HFTarget(Target):
-    """A transformers causal LM behind the Target contract (see DESIGN.md and base.py)."""
+    """A transformers causal LM behind the Target contract (base.py)."""
 
     def __init__(self, model, tokenizer, name: str = "", device: str | torch.device = "cpu",
                  model_dir: Path | None = None):
@@ -119,11 +103,21 @@ class HFTarget(Target):
         self.vocab_size = int(text_config.vocab_size)
         self.hidden_size = int(text_config.hidden_size)
         self.max_position_embeddings = int(getattr(text_config, "max_position_embeddings", 0) or 4096)
+        self.num_kv_heads = int(getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads)
+        self.head_dim = int(getattr(text_config, "head_dim", None) or self.hidden_size // text_config.num_attention_heads)
         self._layer_types = tuple(getattr(text_config, "layer_types", None) or ())
         unsupported = set(self._layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
         if unsupported:
-            raise NotImplementedError(f"HFTarget: layer types {sorted(unsupported)} are not supported (only full/sliding attention)")
-        self._sliding_window = getattr(text_config, "sliding_window", None)
+            raise NotImplementedError(
+                f"HFTarget: layer types {sorted(unsupported)} are not supported by the transformers backend "
+                "(only full and sliding-window attention); use a model with standard attention layers"
+            )
+        window = getattr(text_config, "sliding_window", None)
+        # the window (in positions) each mask applies: one per layer type, or one for every layer
+        # (no layer_types: a model like Mistral applies its sliding_window, when set, everywhere)
+        windows = {FULL_ATTENTION: None, SLIDING_ATTENTION: window}
+        self._windows = ({kind: windows[kind] for kind in set(self._layer_types)} if self._layer_types
+                         else {FULL_ATTENTION: window})
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike, dtype: str | torch.dtype = "float32",
@@ -143,76 +137,85 @@ class HFTarget(Target):
 
     # -- Target contract -------------------------------------------------------------------
 
-    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> HFCache:
-        return HFCache(batch_size, max_len or self.max_position_embeddings)
+    def new_cache(self, batch_size: int = 1, max_len: int = 2048) -> KVCache:
+        return KVCache(self.num_layers, batch_size, self.num_kv_heads, self.head_dim, max_len, self.dtype, self.device)
 
     @torch.no_grad()
     def forward(
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        cache: HFCache,
+        cache: KVCache,
         attn_mask: torch.Tensor | None = None,
         hidden_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Run T new tokens per row against the cache; appends their K/V to it.
+        """Run T new tokens per row against the cache; appends their K/V after each row's length.
 
         tokens, positions: LongTensor[B, T]. attn_mask: BoolTensor[B, T, T] (True = may attend)
-        among the new tokens, None = causal; new tokens always see every cached token.
+        among the new tokens, None = causal; new tokens always see every cached token of their
+        row (within the sliding window on sliding layers). Rows may hold different lengths.
         hidden_layers: HF output_hidden_states indices (0 = embeddings, i = after layer i,
         num_layers = after the final norm).
         """
-        batch_size, num_new = self._check_inputs(tokens, positions, cache, attn_mask, hidden_layers)
-        past = cache.length
-        mask = None if attn_mask is None else self._attention_mask(attn_mask, positions, past)
+        num_new = self._check_inputs(tokens, positions, cache, attn_mask, hidden_layers)
+        layers = Cache(layers=[_KVCacheLayer(cache, layer) for layer in range(cache.num_layers)])
         outputs = self.model(
             input_ids=tokens.to(self.device),
             position_ids=positions.to(self.device),
-            attention_mask=mask,
-            cache=cache.dynamic,
+            attention_mask=self._attention_masks(cache, positions, attn_mask),
+            cache=layers,
             use_cache=True,
             output_hidden_states=bool(hidden_layers),
         )
+        cache.advance(num_new)  # only after every layer wrote: a failed forward leaves the lengths as they were
         logits = outputs.logits.float()  # [B, T, V]
         hidden = {layer: outputs.hidden_states[layer] for layer in hidden_layers}  # each [B, T, H]
         return logits, hidden
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _check_inputs(self, tokens, positions, cache, attn_mask, hidden_layers) -> tuple[int, int]:
+    def _check_inputs(self, tokens, positions, cache, attn_mask, hidden_layers) -> int:
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"HFTarget.forward needs a cache from target.new_cache(), got {type(cache).__name__}")
         if tokens.dim() != 2 or tokens.shape != positions.shape:
             raise ValueError(f"tokens and positions must both be [B, T]; got {tuple(tokens.shape)} and {tuple(positions.shape)}")
         batch_size, num_new = tokens.shape
         if batch_size != cache.batch_size:
             raise ValueError(f"tokens have batch size {batch_size}, the cache was made for {cache.batch_size}")
-        if cache.length + num_new > cache.max_len:
-            raise ValueError(f"cache overflow: {cache.length} cached + {num_new} new > max_len {cache.max_len}")
+        if cache.num_layers != self.num_layers:
+            raise ValueError(f"the cache has {cache.num_layers} layers, the model {self.num_layers}")
+        cache.check_room(num_new)
         if attn_mask is not None and (attn_mask.dtype != torch.bool or tuple(attn_mask.shape) != (batch_size, num_new, num_new)):
             raise ValueError(f"attn_mask must be a bool tensor of shape {(batch_size, num_new, num_new)}; "
                              f"got {attn_mask.dtype} {tuple(attn_mask.shape)}")
         bad_layers = [layer for layer in hidden_layers if not 0 <= layer <= self.num_layers]
         if bad_layers:
             raise ValueError(f"hidden_layers {bad_layers} out of range 0..{self.num_layers}")
-        return batch_size, num_new
+        return num_new
 
-    def _attention_mask(self, attn_mask: torch.Tensor, positions: torch.Tensor, past: int):
-        """[B, T, T] bool among new tokens -> 4D additive mask(s) [B, 1, T, past + T] per layer type."""
-        batch_size, num_new, _ = attn_mask.shape
-        allowed = torch.cat([attn_mask.new_ones(batch_size, num_new, past), attn_mask], dim=2)  # [B, T, past+T]
-        masks = {FULL_ATTENTION: allowed}
-        if SLIDING_ATTENTION in self._layer_types:
-            # window on POSITIONS: cached slots hold positions 0..past-1, new tokens their given positions
-            key_positions = torch.cat([torch.arange(past).expand(batch_size, past), positions.cpu()], dim=1)  # [B, past+T]
-            distance = positions.cpu()[:, :, None] - key_positions[:, None, :]  # [B, T, past+T]
-            masks[SLIDING_ATTENTION] = allowed & (distance < self._sliding_window)
-        additive = {kind: self._additive(m) for kind, m in masks.items()}
-        if not self._layer_types:  # model code takes one 4D tensor (e.g. Llama)
-            return additive[FULL_ATTENTION]
-        return {kind: additive[kind] for kind in set(self._layer_types)}
+    def _attention_masks(self, cache: KVCache, positions: torch.Tensor, attn_mask: torch.Tensor | None):
+        """4D additive mask(s) [B, 1, T, S] over S = max(lengths) + T key slots: one tensor, or one
+        per layer type (the model code then uses them as given instead of building its own)."""
+        allowed = cache.attention_mask(positions.shape[1], attn_mask)  # [B, 1, T, S] bool
+        masks = {layer_type: self._additive(self._within_window(allowed, cache, positions, window))
+                 for layer_type, window in self._windows.items()}
+        return masks if self._layer_types else masks[FULL_ATTENTION]
+
+    @staticmethod
+    def _within_window(allowed: torch.Tensor, cache: KVCache, positions: torch.Tensor, window: int | None):
+        """Restrict `allowed` [B, 1, T, S] to keys less than `window` POSITIONS behind each query."""
+        if window is None:
+            return allowed
+        batch_size, num_new = positions.shape
+        span = allowed.shape[-1]
+        # slot s < lengths[b] holds position s; the new block's slots hold the given positions
+        key_positions = torch.arange(span).repeat(batch_size, 1)  # [B, S]
+        block_slots = cache.lengths[:, None] + torch.arange(num_new)  # [B, T]
+        key_positions.scatter_(1, block_slots, positions.cpu())
+        distance = positions.cpu()[:, :, None] - key_positions[:, None, :]  # [B, T, S]
+        return allowed & (distance < window)[:, None]
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        """bool [B, T, K] -> float [B, 1, T, K]: 0 where allowed, dtype-min elsewhere (eager and sdpa both add it)."""
-        blocked_value = torch.finfo(self.dtype).min
-        zeros = torch.zeros((), dtype=self.dtype)
-        return torch.where(allowed, zeros, torch.tensor(blocked_value, dtype=self.dtype))[:, None].to(self.device)
-
+        """bool [B, 1, T, S] -> float [B, 1, T, S]: 0 where allowed, dtype-min elsewhere (eager and sdpa both add it)."""
+        blocked = torch.tensor(torch.finfo(self.dtype).min, dtype=self.dtype)
+        return torch.where(allowed, torch.zeros((), dtype=self.dtype), blocked).to(self.device)
