@@ -19,7 +19,12 @@ def _tiny_config(model_type: str, **overrides):
     )
     if model_type == "qwen3":
         base["head_dim"] = 16
+    if model_type == "gemma3_text":  # Gemma 3: a 4-token sliding window on every layer but the middle one
+        base.update(head_dim=16, sliding_window=4)
     base.update(overrides)
+    if model_type == "gemma3_text" and "layer_types" not in overrides:
+        layers = base["num_hidden_layers"]
+        base["layer_types"] = ["full_attention" if i == layers // 2 else "sliding_attention" for i in range(layers)]
     return AutoConfig.for_model(model_type, **base)
 
 
@@ -61,6 +66,12 @@ def tiny_dirs(tmp_path_factory):
     """name -> (hf_dir, transformers model) for tiny random Llama / Qwen2 / Qwen3 models."""
     root = tmp_path_factory.mktemp("tiny")
     return {mt: make_tiny_hf_dir(root / mt, mt, seed=i) for i, mt in enumerate(("llama", "qwen2", "qwen3"))}
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory):
+    """(hf_dir, transformers model) for a tiny random Gemma 3 text model (sliding + full attention layers)."""
+    return make_tiny_hf_dir(tmp_path_factory.mktemp("tiny") / "gemma3", "gemma3_text", seed=3)
 
 
 @pytest.fixture(scope="session")

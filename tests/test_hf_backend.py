@@ -1,15 +1,24 @@
-"""HFTarget (transformers fallback backend) against plain full recomputation.
+"""HFTarget (transformers fallback backend) against plain transformers forwards without a cache.
 
-Tiny random models only (no download): the llama / qwen2 dirs come from conftest's
-`tiny_dirs`; a tiny Gemma3 text model exercises per-layer-type (sliding window) masks.
+Tiny random models only (no download): Llama / Qwen2 from conftest's `tiny_dirs`, and a tiny
+Gemma 3 text model (4-token sliding window on all layers but one) from `tiny_gemma3_dir`, so
+sequences longer than the window exercise the per-layer-type masks.
 """
 
 import pytest
 import torch
 
+from specdec import SamplingParams, generate, make_drafter
+from specdec.loop import SpecBatch, run
 from specdec.models.hf import HFTarget, parse_dtype
 
-ATOL = 1e-4
+REL_TOL = 1e-4  # of the largest reference logit: a wrong mask or cache slot moves logits by O(1)
+
+
+def assert_close(got, expected, what=""):
+    tolerance = REL_TOL * float(expected.abs().max())
+    error = float((got - expected).abs().max())
+    assert error <= tolerance, f"{what}: max error {error:.3g} > {tolerance:.3g}"
 
 
 def full_logits(model, token_ids):
@@ -25,30 +34,10 @@ def step(target, cache, token_ids, first_position, attn_mask=None, positions=Non
     return target.forward(tokens, positions, cache, attn_mask=attn_mask, hidden_layers=hidden_layers)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def hf_target(request, tiny_dirs):
-    model_dir, reference = tiny_dirs[request.param]
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma3"])
+def hf_target(request, tiny_dirs, tiny_gemma3_dir):
+    model_dir, reference = tiny_gemma3_dir if request.param == "gemma3" else tiny_dirs[request.param]
     return HFTarget.from_dir(model_dir, name=f"tiny-{request.param}"), reference
-
-
-@pytest.fixture(scope="module")
-def gemma_target():
-    """Tiny Gemma3 text model with a 4-token sliding window on alternate layers."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(3)
-    config = Gemma3TextConfig(
-        vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, sliding_window=4, max_position_embeddings=128,
-        layer_types=["sliding_attention", "full_attention"],
-    )
-    model = Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0, 0.3)
-    model.config._attn_implementation = "sdpa"
-    return HFTarget(model, tokenizer=None, name="tiny-gemma3"), model
 
 
 def test_contract_attributes(hf_target):
@@ -60,9 +49,15 @@ def test_contract_attributes(hf_target):
     assert target.tokenizer is not None and target.tokenizer.eos_token_id in target.eos_token_ids
 
 
+def test_gemma3_has_both_layer_types(tiny_gemma3_dir):
+    _, reference = tiny_gemma3_dir
+    assert set(reference.config.layer_types) == {"sliding_attention", "full_attention"}
+    assert reference.config.sliding_window == 4
+
+
 def test_incremental_decoding_equals_full_recompute(hf_target):
     target, reference = hf_target
-    sequence = [5, 17, 3, 44, 9, 60, 2, 31, 8, 12]
+    sequence = [5, 17, 3, 44, 9, 60, 2, 31, 8, 12]  # longer than the tiny Gemma's window
     expected = full_logits(reference, sequence)  # [T, V]
     cache = target.new_cache(batch_size=1, max_len=64)
     prefill, _ = step(target, cache, sequence[:4], 0)
@@ -71,7 +66,7 @@ def test_incremental_decoding_equals_full_recompute(hf_target):
         logits, _ = step(target, cache, [sequence[position]], position)
         got.append(logits[0])
     assert int(cache.lengths[0]) == len(sequence)
-    assert torch.allclose(torch.cat(got), expected, atol=ATOL)
+    assert_close(torch.cat(got), expected, "incremental")
     assert got[0].dtype == torch.float32
 
 
@@ -84,18 +79,14 @@ def test_truncate_then_continue_equals_fresh(hf_target):
     assert cache.lengths.tolist() == [len(prefix)]
     logits, _ = step(target, cache, continuation, len(prefix))
     expected = full_logits(reference, prefix + continuation)[len(prefix):]
-    assert torch.allclose(logits[0], expected, atol=ATOL)
+    assert_close(logits[0], expected, "after truncate")
     cache.truncate(torch.tensor([2]))  # LongTensor[B] form
     assert cache.lengths.tolist() == [2]
 
 
-def tree_inputs(prefix_len):
-    """A 5-node tree under the last committed token: 0 -> {1, 2}, 1 -> {3}, 2 -> {4}.
-
-    Returns (node tokens, parents, bool mask [1, N, N], positions [1, N])."""
-    tokens = [30, 31, 32, 33, 34]
-    parents = [-1, 0, 0, 1, 2]
-    size = len(tokens)
+def tree_inputs(parents, prefix_len, tokens):
+    """Node tokens, bool mask [N, N] (each node sees its ancestors and itself), positions [N]."""
+    size = len(parents)
     mask = torch.zeros(size, size, dtype=torch.bool)
     depth = []
     for node, parent in enumerate(parents):
@@ -103,8 +94,7 @@ def tree_inputs(prefix_len):
         if parent >= 0:
             mask[node] |= mask[parent]
         depth.append(0 if parent < 0 else depth[parent] + 1)
-    positions = torch.tensor(depth)[None] + prefix_len
-    return tokens, parents, mask[None], positions
+    return tokens, mask, torch.tensor(depth) + prefix_len
 
 
 def ancestors_path(node, parents):
@@ -115,34 +105,89 @@ def ancestors_path(node, parents):
     return path[::-1]
 
 
-def check_tree_and_keep(target, reference):
-    prefix = [4, 8, 15, 16, 23, 42, 9]
-    tokens, parents, mask, positions = tree_inputs(len(prefix))
+TREE_PARENTS = [-1, 0, 0, 1, 2]  # 0 -> {1, 2}, 1 -> {3}, 2 -> {4}
+
+
+def test_tree_mask_and_keep_compaction(hf_target):
+    target, reference = hf_target
+    prefix = [4, 8, 15, 16, 23, 42, 9]  # prefix 7 + tree depth 3 > Gemma window 4: masks use positions
+    tokens, mask, positions = tree_inputs(TREE_PARENTS, len(prefix), [30, 31, 32, 33, 34])
     cache = target.new_cache()
     step(target, cache, prefix, 0)
-    tree_logits, _ = step(target, cache, tokens, len(prefix), attn_mask=mask, positions=positions)
+    tree_logits, _ = step(target, cache, tokens, len(prefix), attn_mask=mask[None], positions=positions[None])
     # every node's logits = a plain sequential run over prefix + its root-to-node path
     for node in range(len(tokens)):
-        path_tokens = [tokens[i] for i in ancestors_path(node, parents)]
-        expected = full_logits(reference, prefix + path_tokens)[-1]
-        assert torch.allclose(tree_logits[0, node], expected, atol=ATOL), f"node {node}"
+        path_tokens = [tokens[i] for i in ancestors_path(node, TREE_PARENTS)]
+        assert_close(tree_logits[0, node], full_logits(reference, prefix + path_tokens)[-1], f"node {node}")
     # accept path 0 -> 2 -> 4, compact it, continue: same as a fresh run over the kept tokens
     accepted = [0, 2, 4]
     cache.keep(0, len(prefix), accepted)
     assert cache.lengths.tolist() == [len(prefix) + len(accepted)]
     kept_tokens = prefix + [tokens[i] for i in accepted]
     logits, _ = step(target, cache, [55, 56], len(kept_tokens))
-    expected = full_logits(reference, kept_tokens + [55, 56])[-2:]
-    assert torch.allclose(logits[0], expected, atol=ATOL)
+    assert_close(logits[0], full_logits(reference, kept_tokens + [55, 56])[-2:], "after keep")
 
 
-def test_tree_mask_and_keep_compaction(hf_target):
-    check_tree_and_keep(*hf_target)
+def test_ragged_batch_with_tree_masks_equals_each_row_alone(hf_target):
+    """What the loop does with B = 2: right-padded prefill of unequal prompts, one verify forward
+    with a tree in one row and a short chain plus padding in the other, per-row keep, a decode."""
+    target, reference = hf_target
+    prompts = [[4, 8, 15, 16, 23, 42, 9, 11, 3], [50, 60, 70, 5, 6]]  # 9 and 5 tokens (window 4)
+    lengths = torch.tensor([len(p) for p in prompts])
+    width = int(lengths.max())
+    cache = target.new_cache(batch_size=2, max_len=32)
+    padded = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts])  # [2, 9]
+    prefill, _ = target.forward(padded, torch.arange(width).expand(2, -1), cache)
+    cache.truncate(lengths)
+    for row, prompt in enumerate(prompts):
+        assert_close(prefill[row, : len(prompt)], full_logits(reference, prompt), f"prefill row {row}")
+    # verify block: row 0 a 5-node tree, row 1 a 3-node chain + 2 padding slots (see loop._batch_inputs)
+    chain_parents = [-1, 0, 1]
+    tree = tree_inputs(TREE_PARENTS, len(prompts[0]), [30, 31, 32, 33, 34])
+    chain = tree_inputs(chain_parents, len(prompts[1]), [40, 41, 42])
+    tokens = torch.zeros(2, 5, dtype=torch.long)
+    positions = lengths[:, None].repeat(1, 5)
+    mask = torch.eye(5, dtype=torch.bool).repeat(2, 1, 1)
+    for row, (node_tokens, node_mask, node_positions) in enumerate((tree, chain)):
+        n = len(node_tokens)
+        tokens[row, :n], positions[row, :n], mask[row, :n, :n] = torch.tensor(node_tokens), node_positions, node_mask
+    logits, _ = target.forward(tokens, positions, cache, attn_mask=mask)
+    assert cache.lengths.tolist() == [14, 10]
+    for row, ((node_tokens, _, _), parents) in enumerate(zip((tree, chain), (TREE_PARENTS, chain_parents))):
+        for node in range(len(node_tokens)):
+            path = [node_tokens[i] for i in ancestors_path(node, parents)]
+            assert_close(logits[row, node], full_logits(reference, prompts[row] + path)[-1], f"row {row} node {node}")
+    # keep different paths per row (the loop's step 6), then one causal 2-token step for both rows
+    kept_paths = [[0, 1, 3], [0, 1]]
+    sequences = []
+    for row, (kept, (node_tokens, _, _)) in enumerate(zip(kept_paths, (tree, chain))):
+        cache.keep(row, len(prompts[row]), kept)
+        sequences.append(prompts[row] + [node_tokens[i] for i in kept])
+    assert cache.lengths.tolist() == [len(s) for s in sequences]
+    nxt = torch.tensor([[7, 8], [9, 10]])
+    logits, _ = target.forward(nxt, cache.lengths[:, None] + torch.arange(2), cache)
+    for row, sequence in enumerate(sequences):
+        assert_close(logits[row], full_logits(reference, sequence + nxt[row].tolist())[-2:], f"decode row {row}")
 
 
-def test_tree_mask_with_sliding_window_layers(gemma_target):
-    # prefix 7 + tree depth 3 > window 4: the sliding layers must use the positions, not slots
-    check_tree_and_keep(*gemma_target)
+def test_row_views_and_move_row(hf_target):
+    """A view over rows [1, 3) writes into the parent cache; move_row copies a sequence to a free row."""
+    target, reference = hf_target
+    cache = target.new_cache(batch_size=3, max_len=32)
+    view = cache.rows(1, 3)
+    prompts = [[3, 1, 4, 1, 5, 9, 2], [6, 5, 3, 5, 8]]
+    width = len(prompts[0])
+    padded = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts])
+    target.forward(padded, torch.arange(width).expand(2, -1), view)
+    view.truncate(torch.tensor([len(p) for p in prompts]))
+    assert cache.lengths.tolist() == [0, 7, 5]
+    cache.move_row(2, 0)  # the sequence in row 2 now also lives in row 0
+    cache.rows(2, 3).truncate(0)
+    first = cache.rows(0, 2)
+    logits, _ = target.forward(torch.tensor([[7], [8]]), first.lengths[:, None].clone(), first)
+    assert cache.lengths.tolist() == [6, 8, 0]
+    assert_close(logits[0, 0], full_logits(reference, prompts[1] + [7])[-1], "moved row")
+    assert_close(logits[1, 0], full_logits(reference, prompts[0] + [8])[-1], "row 1")
 
 
 def test_hidden_layers_follow_output_hidden_states(hf_target):
@@ -156,24 +201,61 @@ def test_hidden_layers_follow_output_hidden_states(hf_target):
     assert set(hidden) == set(layers)
     for layer in layers:
         assert hidden[layer].shape == (1, len(sequence), target.hidden_size)
-        assert torch.allclose(hidden[layer], ref.hidden_states[layer], atol=ATOL)
+        assert_close(hidden[layer], ref.hidden_states[layer], f"hidden {layer}")
     with torch.no_grad():
         final = reference.model(input_ids=torch.tensor([sequence])).last_hidden_state
-    assert torch.allclose(hidden[target.num_layers], final, atol=ATOL)  # after the final norm
+    assert_close(hidden[target.num_layers], final, "after the final norm")
 
 
-def test_batched_rows_and_unequal_truncate(hf_target):
-    target, reference = hf_target
-    rows = [[5, 6, 7, 8], [9, 10, 11, 12]]
-    cache = target.new_cache(batch_size=2)
-    logits, _ = target.forward(torch.tensor(rows), torch.arange(4).expand(2, 4), cache)
-    for row, sequence in enumerate(rows):
-        assert torch.allclose(logits[row], full_logits(reference, sequence), atol=ATOL)
-    assert cache.lengths.tolist() == [4, 4]
-    with pytest.raises(NotImplementedError, match="same length"):
-        cache.truncate(torch.tensor([2, 3]))
-    with pytest.raises(NotImplementedError, match="batch_size 1"):
-        cache.keep(1, 2, [0])
+REPETITIVE_PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [20, 21, 22, 20, 21]]  # pld finds matches
+
+
+@pytest.mark.parametrize("drafter_name,options", [("pld", {}), ("random", {"gamma": 5, "tree": True})],
+                         ids=["pld", "random-tree"])
+def test_loop_batch_of_ragged_prompts_equals_each_alone(hf_target, drafter_name, options):
+    target, _ = hf_target
+    alone = [generate(target, prompt, max_new_tokens=12).tokens for prompt in REPETITIVE_PROMPTS]
+    steps = run(target, REPETITIVE_PROMPTS, make_drafter(drafter_name, target, **options), max_new_tokens=12)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as finished:
+            batch = finished.value
+            break
+    assert [result.tokens for result in batch] == alone
+    assert sum(result.stats.drafted_tokens for result in batch) > 0  # the drafter did propose
+
+
+def test_sequences_join_and_leave_a_running_batch(hf_target):
+    """Continuous batching on the transformers backend: rows move when a sequence leaves."""
+    target, _ = hf_target
+    prompts = [[5, 6, 7], [30, 31, 32, 33, 34], [60, 61]]
+    alone = [generate(target, p, max_new_tokens=10).tokens for p in prompts]
+    batch = SpecBatch(target, make_drafter("random", target, gamma=3, tree=True), max_batch=3, max_len=64)
+    greedy = SamplingParams()
+    first, second = batch.add(prompts[:2], [greedy] * 2, [10, 10], [(), ()])
+    batch.step()
+    (third,) = batch.add([prompts[2]], [greedy], [10], [()])
+    batch.step()
+    batch.remove(first)
+    while batch.seqs:
+        batch.step()
+    assert second.ctx.output_tokens == alone[1]
+    assert third.ctx.output_tokens == alone[2]
+    assert first.ctx.output_tokens == alone[0][: len(first.ctx.output_tokens)]
+
+
+def test_unsupported_features_say_what_to_use_instead(tiny_dirs):
+    model_dir, _ = tiny_dirs["llama"]
+    target = HFTarget.from_dir(model_dir)
+    with pytest.raises(ValueError, match="layer_ids"):
+        make_drafter("layer-skip", target)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.layer_types = ["chunked_attention"] * config.num_hidden_layers
+    with pytest.raises(NotImplementedError, match="full and sliding-window attention"):
+        HFTarget(AutoModelForCausalLM.from_config(config), tokenizer=None)
 
 
 def test_bad_inputs_raise_clear_errors(hf_target):
@@ -185,12 +267,17 @@ def test_bad_inputs_raise_clear_errors(hf_target):
         step(target, cache, [1, 2], 0, hidden_layers=(target.num_layers + 1,))
     with pytest.raises(ValueError, match="overflow"):
         step(target, cache, list(range(1, 10)), 0)
+    with pytest.raises(ValueError, match="batch size"):
+        target.forward(torch.ones(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long), cache)
+    with pytest.raises(TypeError, match="new_cache"):
+        step(target, object(), [1], 0)
+    assert cache.lengths.tolist() == [0]  # failed calls wrote nothing
     step(target, cache, [1, 2, 3], 0)
-    with pytest.raises(ValueError, match="cannot truncate"):
+    with pytest.raises(ValueError, match="can only shorten"):
         cache.truncate(5)
     with pytest.raises(ValueError, match="strictly increasing"):
         cache.keep(0, 0, [2, 1])
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match="past sequence length"):
         cache.keep(0, 1, [0, 5])
     with pytest.raises(ValueError, match="unsupported dtype"):
         parse_dtype("int8")
