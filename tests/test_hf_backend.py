@@ -1,8 +1,9 @@
 """HFTarget (transformers fallback backend) against plain transformers forwards without a cache.
 
-Tiny random models only (no download): Llama / Qwen2 from conftest's `tiny_dirs`, and a tiny
+Tiny random models only (no download): Llama / Qwen2 from conftest's `tiny_dirs`, a tiny
 Gemma 3 text model (4-token sliding window on all layers but one) from `tiny_gemma3_dir`, so
-sequences longer than the window exercise the per-layer-type masks.
+sequences longer than the window exercise the per-layer-type masks, and a tiny Mistral whose
+4-token window applies to every layer (no layer_types in its config).
 """
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 from specdec import SamplingParams, generate, make_drafter
 from specdec.loop import SpecBatch, run
 from specdec.models.hf import HFTarget, parse_dtype
+
+from conftest import make_tiny_hf_dir
 
 REL_TOL = 1e-4  # of the largest reference logit: a wrong mask or cache slot moves logits by O(1)
 
@@ -34,9 +37,15 @@ def step(target, cache, token_ids, first_position, attn_mask=None, positions=Non
     return target.forward(tokens, positions, cache, attn_mask=attn_mask, hidden_layers=hidden_layers)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma3"])
-def hf_target(request, tiny_dirs, tiny_gemma3_dir):
-    model_dir, reference = tiny_gemma3_dir if request.param == "gemma3" else tiny_dirs[request.param]
+@pytest.fixture(scope="module")
+def tiny_mistral_dir(tmp_path_factory):
+    return make_tiny_hf_dir(tmp_path_factory.mktemp("tiny") / "mistral", "mistral", seed=4, sliding_window=4)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma3", "mistral"])
+def hf_target(request, tiny_dirs, tiny_gemma3_dir, tiny_mistral_dir):
+    dirs = {**tiny_dirs, "gemma3": tiny_gemma3_dir, "mistral": tiny_mistral_dir}
+    model_dir, reference = dirs[request.param]
     return HFTarget.from_dir(model_dir, name=f"tiny-{request.param}"), reference
 
 
@@ -49,10 +58,10 @@ def test_contract_attributes(hf_target):
     assert target.tokenizer is not None and target.tokenizer.eos_token_id in target.eos_token_ids
 
 
-def test_gemma3_has_both_layer_types(tiny_gemma3_dir):
-    _, reference = tiny_gemma3_dir
-    assert set(reference.config.layer_types) == {"sliding_attention", "full_attention"}
-    assert reference.config.sliding_window == 4
+def test_tiny_models_have_the_windows_the_tests_rely_on(tiny_gemma3_dir, tiny_mistral_dir):
+    gemma3, mistral = tiny_gemma3_dir[1].config, tiny_mistral_dir[1].config
+    assert set(gemma3.layer_types) == {"sliding_attention", "full_attention"} and gemma3.sliding_window == 4
+    assert getattr(mistral, "layer_types", None) is None and mistral.sliding_window == 4
 
 
 def test_incremental_decoding_equals_full_recompute(hf_target):
@@ -207,10 +216,10 @@ def test_hidden_layers_follow_output_hidden_states(hf_target):
     assert_close(hidden[target.num_layers], final, "after the final norm")
 
 
-REPETITIVE_PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [20, 21, 22, 20, 21]]  # pld finds matches
+REPETITIVE_PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [20, 21, 22, 20, 21]]  # pld (1-grams too) finds matches
 
 
-@pytest.mark.parametrize("drafter_name,options", [("pld", {}), ("random", {"gamma": 5, "tree": True})],
+@pytest.mark.parametrize("drafter_name,options", [("pld", {"min_ngram": 1}), ("random", {"gamma": 5, "tree": True})],
                          ids=["pld", "random-tree"])
 def test_loop_batch_of_ragged_prompts_equals_each_alone(hf_target, drafter_name, options):
     target, _ = hf_target
