@@ -224,13 +224,7 @@ REPETITIVE_PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [20, 21, 22, 20, 21]
 def test_loop_batch_of_ragged_prompts_equals_each_alone(hf_target, drafter_name, options):
     target, _ = hf_target
     alone = [generate(target, prompt, max_new_tokens=12).tokens for prompt in REPETITIVE_PROMPTS]
-    steps = run(target, REPETITIVE_PROMPTS, make_drafter(drafter_name, target, **options), max_new_tokens=12)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as finished:
-            batch = finished.value
-            break
+    batch = run(target, REPETITIVE_PROMPTS, make_drafter(drafter_name, target, **options), max_new_tokens=12).finish()
     assert [result.tokens for result in batch] == alone
     assert sum(result.stats.drafted_tokens for result in batch) > 0  # the drafter did propose
 

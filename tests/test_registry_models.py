@@ -65,13 +65,7 @@ def test_plain_equals_pld(target, plain):
 def test_batch_of_two_ragged_prompts_equals_each_alone(target, plain):
     prompts = list(prompt_ids(target).values())
     assert len(prompts[0]) != len(prompts[1])
-    steps = run(target, prompts, make_drafter("pld", target), max_new_tokens=NEW_TOKENS)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as finished:
-            batch = finished.value
-            break
+    batch = run(target, prompts, make_drafter("pld", target), max_new_tokens=NEW_TOKENS).finish()
     assert [result.tokens for result in batch] == [result.tokens for result in plain.values()], target.name
 
 
