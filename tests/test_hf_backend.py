@@ -6,10 +6,9 @@ Tiny random models only (no download): the llama / qwen2 dirs come from conftest
 
 import pytest
 import torch
+from conftest import assert_close_to_scale
 
 from specdec.models.hf import HFTarget, parse_dtype
-
-ATOL = 1e-4
 
 
 def full_logits(model, token_ids):
@@ -71,7 +70,7 @@ def test_incremental_decoding_equals_full_recompute(hf_target):
         logits, _ = step(target, cache, [sequence[position]], position)
         got.append(logits[0])
     assert int(cache.lengths[0]) == len(sequence)
-    assert torch.allclose(torch.cat(got), expected, atol=ATOL)
+    assert_close_to_scale(torch.cat(got), expected)
     assert got[0].dtype == torch.float32
 
 
@@ -84,7 +83,7 @@ def test_truncate_then_continue_equals_fresh(hf_target):
     assert cache.lengths.tolist() == [len(prefix)]
     logits, _ = step(target, cache, continuation, len(prefix))
     expected = full_logits(reference, prefix + continuation)[len(prefix):]
-    assert torch.allclose(logits[0], expected, atol=ATOL)
+    assert_close_to_scale(logits[0], expected)
     cache.truncate(torch.tensor([2]))  # LongTensor[B] form
     assert cache.lengths.tolist() == [2]
 
@@ -125,7 +124,7 @@ def check_tree_and_keep(target, reference):
     for node in range(len(tokens)):
         path_tokens = [tokens[i] for i in ancestors_path(node, parents)]
         expected = full_logits(reference, prefix + path_tokens)[-1]
-        assert torch.allclose(tree_logits[0, node], expected, atol=ATOL), f"node {node}"
+        assert_close_to_scale(tree_logits[0, node], expected, what=f"node {node}")
     # accept path 0 -> 2 -> 4, compact it, continue: same as a fresh run over the kept tokens
     accepted = [0, 2, 4]
     cache.keep(0, len(prefix), accepted)
@@ -133,7 +132,7 @@ def check_tree_and_keep(target, reference):
     kept_tokens = prefix + [tokens[i] for i in accepted]
     logits, _ = step(target, cache, [55, 56], len(kept_tokens))
     expected = full_logits(reference, kept_tokens + [55, 56])[-2:]
-    assert torch.allclose(logits[0], expected, atol=ATOL)
+    assert_close_to_scale(logits[0], expected)
 
 
 def test_tree_mask_and_keep_compaction(hf_target):
@@ -156,10 +155,10 @@ def test_hidden_layers_follow_output_hidden_states(hf_target):
     assert set(hidden) == set(layers)
     for layer in layers:
         assert hidden[layer].shape == (1, len(sequence), target.hidden_size)
-        assert torch.allclose(hidden[layer], ref.hidden_states[layer], atol=ATOL)
+        assert_close_to_scale(hidden[layer], ref.hidden_states[layer])
     with torch.no_grad():
         final = reference.model(input_ids=torch.tensor([sequence])).last_hidden_state
-    assert torch.allclose(hidden[target.num_layers], final, atol=ATOL)  # after the final norm
+    assert_close_to_scale(hidden[target.num_layers], final)  # after the final norm
 
 
 def test_batched_rows_and_unequal_truncate(hf_target):
@@ -168,7 +167,7 @@ def test_batched_rows_and_unequal_truncate(hf_target):
     cache = target.new_cache(batch_size=2)
     logits, _ = target.forward(torch.tensor(rows), torch.arange(4).expand(2, 4), cache)
     for row, sequence in enumerate(rows):
-        assert torch.allclose(logits[row], full_logits(reference, sequence), atol=ATOL)
+        assert_close_to_scale(logits[row], full_logits(reference, sequence))
     assert cache.lengths.tolist() == [4, 4]
     with pytest.raises(NotImplementedError, match="same length"):
         cache.truncate(torch.tensor([2, 3]))
