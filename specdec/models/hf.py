@@ -101,7 +101,7 @@ class HFCache:
 
 
 class HFTarget(Target):
-    """A transformers causal LM behind the Target contract (see DESIGN.md and base.py)."""
+    """A transformers causal LM behind the Target contract (see docs/architecture.md and base.py)."""
 
     def __init__(self, model, tokenizer, name: str = "", device: str | torch.device = "cpu",
                  model_dir: Path | None = None):
