@@ -14,7 +14,7 @@ import pytest
 
 from specdec import generate
 from specdec.kernels import CppSkinnyLinear, KernelUnavailable
-from specdec.models.registry import cache_root
+from specdec.paths import cache_root
 
 pytestmark = pytest.mark.slow
 
