@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(VPY) -m specdec.demo
 
 test: $(STAMP)
-	$(VPY) -m pytest -q -x --durations=15
+	$(VPY) -m pytest -q --durations=15
 
 bench: $(STAMP)
 	$(VPY) -m specdec.cli bench --target qwen2.5-coder-1.5b --limit-per-category 3 --max-new-tokens 128

@@ -2,7 +2,7 @@
 
 A policy has `plan(seqs) -> list[int]` (one budget per running sequence, decided together so
 budgets can shrink as the batch grows), `observe(seq, drafted_depth, accepted)` and
-`max_budget_for(drafter) -> int` (sizes the KV cache). Non-anticipation (DESIGN.md): a budget is a
+`max_budget_for(drafter) -> int` (sizes the KV cache). Non-anticipation (docs/architecture.md): a budget is a
 function of what was known before drafting — running acceptance estimates, measured costs,
 how many sequences share the forward — never of the tokens about to be drafted.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported (DESIGN.md, machine facts)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported (docs/architecture.md, Machine facts)
 
 import argparse  # noqa: E402
 import importlib  # noqa: E402

@@ -1,6 +1,6 @@
 """Measured target step cost T(k): the table, its measurement and its on-disk cache.
 
-On CPU a forward over k new tokens is NOT free (about 2x a 1-token step at k=2, see DESIGN.md),
+On CPU a forward over k new tokens is NOT free (about 2x a 1-token step at k=2, see docs/architecture.md),
 so gamma and tree size come from a measured table ``T(k)`` (ms for k new tokens after a fixed
 prefix), cached per (model, device, dtype, threads, torch version, ...). The budget choosers
 that read it live in specdec.budget; `specdec profile` (specdec.profile) prints and plots it.

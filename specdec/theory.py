@@ -96,7 +96,7 @@ def optimal_gamma(
 
 
 def latency_per_token(draft_ms: float, verify_ms: float, tau: float) -> float:
-    """DESIGN.md's L = (T_draft + T_verify) / tau, in the units of the inputs."""
+    """L = (T_draft + T_verify) / tau (docs/architecture.md), in the units of the inputs."""
     if tau <= 0:
         raise ValueError(f"tau must be > 0, got {tau}")
     return (draft_ms + verify_ms) / tau

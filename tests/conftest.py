@@ -1,4 +1,4 @@
-"""Shared fixtures. OMP_WAIT_POLICY must be set before torch is imported (see DESIGN.md)."""
+"""Shared fixtures. OMP_WAIT_POLICY must be set before torch is imported (see docs/architecture.md, "Machine facts")."""
 
 import os
 
@@ -8,6 +8,23 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+# Two float32 computations of one function that add in a different order (the kernel's AVX2 or
+# AVX-512 build, torch's BLAS, a cached vs a full forward, another thread count) differ by rounding
+# that grows with the values' magnitude: ~2e-6 of their scale in this suite's models (tiny and
+# SmolLM2's 30 layers alike, measured with all three linear backends). A wrong mask, position or
+# weight moves them by a large part of it.
+FLOAT32_REL = 1e-4
+
+
+def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, rel: float = FLOAT32_REL,
+                          what: str = "values") -> None:
+    """max |actual - expected| <= rel * max |expected|: a tolerance that scales with the values."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    error = float((actual.double() - expected.double()).abs().max())
+    scale = float(expected.double().abs().max())
+    assert error <= rel * scale, f"{what}: max |difference| {error:.3g} > {rel:g} x scale {scale:.3g}"
 
 
 def _tiny_config(model_type: str, **overrides):

@@ -16,8 +16,7 @@ from specdec.bench.questions import (
 from specdec.bench.report import PLOT_FILES, method_summary_rows
 from specdec.bench.runner import MethodSpec
 
-QUESTIONS = default_questions_path()
-needs_questions = pytest.mark.skipif(not QUESTIONS.is_file(), reason=f"no Spec-Bench questions at {QUESTIONS}")
+QUESTIONS = default_questions_path()  # package data: always there
 
 
 def _write_jsonl(path, records):
@@ -68,7 +67,6 @@ def test_load_questions_rejects_bad_lines(tmp_path):
         load_questions(tmp_path / "none.jsonl")
 
 
-@needs_questions
 def test_default_questions_cover_every_kind():
     picked = select_questions(load_questions(QUESTIONS), limit_per_kind=3)
     assert [q.task_kind for q in picked] == [kind for kind in TASK_KINDS for _ in range(3)]
@@ -109,7 +107,6 @@ def test_unknown_method_fails_before_loading_anything(capsys):
 # ---------------------------------------------------------------------------- SmolLM2
 
 
-@needs_questions
 def test_bench_smollm2_every_kind(smollm2, tmp_path):
     drafter = _drafter_name()
     methods = ["plain", drafter, "hf-plain", "hf-assisted", "small-model"]
@@ -151,7 +148,6 @@ def test_bench_smollm2_every_kind(smollm2, tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
-@needs_questions
 def test_planted_mismatch_fails_the_run(smollm2, tmp_path, capsys):
     def lossy(target, prompt_ids, max_new_tokens, sampling):
         generation = generate(target, prompt_ids, None, max_new_tokens, sampling)
@@ -181,7 +177,6 @@ def test_planted_mismatch_fails_the_run(smollm2, tmp_path, capsys):
     assert "FAIL" in (tmp_path / "results.md").read_text()
 
 
-@needs_questions
 def test_a_method_that_raises_is_reported_and_fails_the_run(smollm2, tmp_path):
     def broken(target, prompt_ids, max_new_tokens, sampling):
         raise RuntimeError("planted failure")

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import assert_close_to_scale
 
 from specdec import generate
 
@@ -23,7 +24,7 @@ def test_native_logits_equal_transformers(smollm2, hf_smollm2):
         ref = hf_smollm2(ids).logits
     cache = smollm2.new_cache(1, 256)
     logits, _ = smollm2.forward(ids, torch.arange(ids.shape[1])[None], cache)
-    assert (logits - ref).abs().max() <= 1e-4
+    assert_close_to_scale(logits, ref, what="logits")  # the kernel vs BLAS, 30 layers: ~2e-6 of the scale
 
 
 def test_greedy_generate_equals_transformers_generate(smollm2, hf_smollm2):

