@@ -1,17 +1,96 @@
-"""Preallocated KV cache with per-sequence lengths, rollback and tree-path compaction.
+"""KV cache with per-sequence lengths, rollback and tree-path compaction, allocated as it grows.
 
-Layout per layer: keys / values `[B, H_kv, max_len, D]`. Sequence `b` owns slots
-`[0, lengths[b])`; a forward over T new tokens writes slots `[lengths[b], lengths[b] + T)`
-and advances `lengths[b]` by T. Slots past a sequence's length are garbage and are always
-masked out, so rolling back is just lowering a length (`truncate`), and keeping the accepted
-path of a tree is a gather of a few slots (`keep`).
+Layout per layer: keys / values `[R, H_kv, C, D]` with R <= batch_size allocated rows and
+C <= max_len allocated slots. Sequence `b` owns slots `[0, lengths[b])`; a forward over T new
+tokens writes slots `[lengths[b], lengths[b] + T)` and advances `lengths[b]` by T. Slots past a
+sequence's length are garbage and are always masked out, so rolling back is just lowering a
+length (`truncate`), and keeping the accepted path of a tree is a gather of a few slots (`keep`).
+
+Memory is taken as sequences grow, the way serving engines do it, instead of
+batch_size x max_len up front: `make_room` (called by the forward) grows the storage to the
+next multiple of KV_CHUNK slots, at least doubling, so a sequence of n tokens costs O(1)
+copies per token on average and the kernel path still sees one contiguous tensor per layer.
+Growth never passes `max_len` slots per row, nor `max_tokens` allocated rows x slots (the KV
+memory budget, see `kv_budget_tokens`); `release()` hands everything back when the batch empties.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
+
+KV_CHUNK = 256  # slots: the growth granularity
+DEFAULT_KV_MEMORY_FRACTION = 0.4  # of the memory available at start-up, when no --kv-memory is given
+
+
+class KVBudgetError(ValueError):
+    """A cache would need more rows x slots than its memory budget allows."""
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class _Storage:
+    """The per-layer tensors shared by a cache and its row views, and the rules for growing them."""
+
+    def __init__(self, num_layers, batch_size, num_kv_heads, head_dim, max_len, dtype, device, max_tokens, lengths):
+        self.num_layers, self.batch_size, self.max_len, self.max_tokens = num_layers, batch_size, max_len, max_tokens
+        self.num_kv_heads, self.head_dim, self.dtype, self.device = num_kv_heads, head_dim, dtype, device
+        self.lengths = lengths  # [batch_size] the root cache's lengths (views slice it)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.release()
+
+    @property
+    def rows(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def release(self) -> None:
+        empty = (0, self.num_kv_heads, 0, self.head_dim)
+        with torch.inference_mode(False):
+            self.keys = [torch.zeros(empty, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            self.values = [torch.zeros(empty, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+
+    def ensure(self, rows: int, slots: int) -> None:
+        """Storage for rows [0, rows) and `slots` slots each (grown in chunks, doubling, within the budget)."""
+        if rows <= self.rows and slots <= self.capacity:
+            return
+        if slots > self.max_len:
+            raise ValueError(
+                f"KV cache overflow: {slots} slots needed but the cache holds {self.max_len}; "
+                "create it with a larger max_len (prompt + max_new_tokens + draft budget)"
+            )
+        if rows > self.batch_size:
+            raise ValueError(f"KV cache has {self.batch_size} rows, {rows} needed")
+        live_rows = int(self.lengths.nonzero().max()) + 1 if bool(self.lengths.any()) else 0
+        need_rows, need_slots = max(rows, live_rows), max(slots, int(self.lengths.max()))
+        if self.max_tokens is not None and need_rows * need_slots > self.max_tokens:
+            raise KVBudgetError(
+                f"KV memory budget exceeded: {need_rows} sequences x {need_slots} slots > {self.max_tokens} token slots"
+            )
+        new_slots = min(self.max_len, max(_round_up(need_slots, KV_CHUNK), 2 * self.capacity if slots > self.capacity else 0))
+        new_rows = min(self.batch_size, max(need_rows, 2 * self.rows if rows > self.rows else self.rows))
+        if self.max_tokens is not None:  # the slack of doubling and chunks stays inside the budget
+            new_slots = max(need_slots, min(new_slots, self.max_tokens // new_rows))
+            new_rows = max(need_rows, min(new_rows, self.max_tokens // new_slots))
+        keep_rows, keep_slots = min(self.rows, new_rows), min(self.capacity, new_slots)
+        # growth usually happens inside a forward (inference mode); the storage must stay a normal
+        # tensor so the batch can still compact rows outside one
+        with torch.inference_mode(False):
+            for tensors in (self.keys, self.values):
+                for layer, old in enumerate(tensors):
+                    # zeros, not empty: masked slots are still read by attention, and NaN * 0 would leak
+                    new = torch.zeros((new_rows, self.num_kv_heads, new_slots, self.head_dim), dtype=self.dtype,
+                                      device=self.device)
+                    new[:keep_rows, :, :keep_slots] = old[:keep_rows, :, :keep_slots]
+                    tensors[layer] = new
 
 
 class KVCache:
@@ -24,14 +103,17 @@ class KVCache:
         max_len: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        max_tokens: int | None = None,
     ):
+        """`max_len`: slots per sequence at most; `max_tokens`: allocated rows x slots at most (None = no budget)."""
         if batch_size < 1 or max_len < 1:
             raise ValueError(f"KVCache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}")
-        shape = (batch_size, num_kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if max_tokens is not None and max_tokens < max_len:
+            raise KVBudgetError(f"a KV budget of {max_tokens} token slots cannot hold one sequence of {max_len}")
         self.lengths = torch.zeros(batch_size, dtype=torch.long)  # [B] committed slots per sequence
-        self.max_len = max_len
+        self._store = _Storage(num_layers, batch_size, num_kv_heads, head_dim, max_len, dtype, device, max_tokens,
+                               self.lengths)
+        self._first_row = 0  # this cache's row 0 in the storage (row views are windows onto it)
 
     @property
     def batch_size(self) -> int:
@@ -39,35 +121,73 @@ class KVCache:
 
     @property
     def num_layers(self) -> int:
-        return len(self.keys)
+        return self._store.num_layers
 
-    def check_room(self, num_new: int) -> None:
-        needed = int(self.lengths.max()) + num_new
-        if needed > self.max_len:
-            raise ValueError(
-                f"KV cache overflow: {needed} slots needed but the cache holds {self.max_len}; "
-                "create it with a larger max_len (prompt + max_new_tokens + draft budget)"
-            )
+    @property
+    def max_len(self) -> int:
+        return self._store.max_len
+
+    @max_len.setter
+    def max_len(self, value: int) -> None:
+        """Raising the limit is free: nothing is allocated until a forward needs it."""
+        if value < int(self._store.lengths.max()):
+            raise ValueError(f"max_len {value} is below a committed length {int(self._store.lengths.max())}")
+        self._store.max_len = value
+
+    @property
+    def capacity(self) -> int:
+        """Slots allocated per row now (grows up to max_len)."""
+        return self._store.capacity
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._store.keys + self._store.values)
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """Per layer `[rows, H_kv, capacity, D]`: this cache's allocated rows (views of the storage)."""
+        return [k[self._first_row : self._first_row + self.batch_size] for k in self._store.keys]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [v[self._first_row : self._first_row + self.batch_size] for v in self._store.values]
+
+    def reserve(self, num_slots: int) -> None:
+        """Allocate `num_slots` slots for every row of this cache now (e.g. before copying into them)."""
+        self._store.ensure(self._first_row + self.batch_size, num_slots)
+
+    def make_room(self, num_new: int) -> None:
+        """Before a forward over `num_new` tokens: grow the storage, or raise past max_len / the budget."""
+        self.reserve(int(self.lengths.max()) + num_new)
+
+    def release(self) -> None:
+        """Forget every sequence and hand the memory back (the batch is empty)."""
+        self._store.lengths.zero_()
+        self._store.release()
+
+    def _layer(self, tensors: list[torch.Tensor], layer: int) -> torch.Tensor:
+        return tensors[layer][self._first_row : self._first_row + self.batch_size]
 
     def write(self, layer: int, new_keys: torch.Tensor, new_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store `new_keys/new_values [B, H_kv, T, D]` after each sequence's committed slots.
 
         Returns the keys / values `[B, H_kv, S, D]` with S = max(lengths) + T, which the
         attention reads under the mask from `attention_mask()`. Lengths advance in `advance()`
-        once every layer has written, so all layers see the same offsets.
+        once every layer has written, so all layers see the same offsets. `make_room(T)` first.
         """
+        keys, values = self._layer(self._store.keys, layer), self._layer(self._store.values, layer)
         num_new = new_keys.shape[2]
         starts = self.lengths
         first = int(starts[0])
         if bool((starts == first).all()):  # the common case: one slice for the whole batch
-            self.keys[layer][:, :, first : first + num_new] = new_keys
-            self.values[layer][:, :, first : first + num_new] = new_values
+            keys[:, :, first : first + num_new] = new_keys
+            values[:, :, first : first + num_new] = new_values
         else:
             for row, start in enumerate(starts.tolist()):
-                self.keys[layer][row, :, start : start + num_new] = new_keys[row]
-                self.values[layer][row, :, start : start + num_new] = new_values[row]
+                keys[row, :, start : start + num_new] = new_keys[row]
+                values[row, :, start : start + num_new] = new_values[row]
         span = int(starts.max()) + num_new
-        return self.keys[layer][:, :, :span], self.values[layer][:, :, :span]
+        return keys[:, :, :span], values[:, :, :span]
 
     def advance(self, num_new: int) -> None:
         self.lengths += num_new
@@ -98,20 +218,23 @@ class KVCache:
         self.lengths.copy_(new_lengths)  # in place: row views share this tensor
 
     def rows(self, start: int, stop: int) -> KVCache:
-        """A view of rows [start, stop): writes, lengths and rollbacks go to this cache."""
+        """A view of rows [start, stop): writes, growth, lengths and rollbacks go to this cache."""
+        if not 0 <= start < stop <= self.batch_size:
+            raise ValueError(f"rows({start}, {stop}) outside a cache of {self.batch_size} rows")
         view = KVCache.__new__(KVCache)
-        view.keys = [k[start:stop] for k in self.keys]
-        view.values = [v[start:stop] for v in self.values]
+        view._store = self._store
+        view._first_row = self._first_row + start
         view.lengths = self.lengths[start:stop]
-        view.max_len = self.max_len
         return view
 
     def move_row(self, src: int, dst: int) -> None:
         """Copy sequence `src` into row `dst` (compacting a batch when a sequence leaves)."""
         length = int(self.lengths[src])
-        for keys, values in zip(self.keys, self.values):
-            keys[dst, :, :length] = keys[src, :, :length]
-            values[dst, :, :length] = values[src, :, :length]
+        if length:
+            src_row, dst_row = self._first_row + src, self._first_row + dst
+            for tensors in (self._store.keys, self._store.values):
+                for layer_tensor in tensors:
+                    layer_tensor[dst_row, :, :length] = layer_tensor[src_row, :, :length]
         self.lengths[dst] = length
 
     def keep(self, seq: int, start: int, offsets: Sequence[int]) -> None:
@@ -127,7 +250,41 @@ class KVCache:
             raise ValueError(f"keep offset {offsets[-1]} past sequence length {int(self.lengths[seq])} (start {start})")
         if offsets != list(range(len(offsets))):
             src = torch.tensor(offsets, dtype=torch.long) + start
-            for layer in range(self.num_layers):
-                self.keys[layer][seq, :, start : start + len(offsets)] = self.keys[layer][seq, :, src]
-                self.values[layer][seq, :, start : start + len(offsets)] = self.values[layer][seq, :, src]
+            row = self._first_row + seq
+            for tensors in (self._store.keys, self._store.values):
+                for layer_tensor in tensors:
+                    layer_tensor[row, :, start : start + len(offsets)] = layer_tensor[row, :, src]
         self.lengths[seq] = start + len(offsets)
+
+
+# ---------------------------------------------------------------------------- the KV memory budget
+
+
+def available_memory_bytes() -> int:
+    """Memory the system can give without swapping (MemAvailable; free pages where /proc is missing)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_budget_tokens(bytes_per_token: int, memory_gb: float | None = None,
+                     fraction: float = DEFAULT_KV_MEMORY_FRACTION) -> tuple[int, str]:
+    """Token slots a KV budget holds, and a phrase saying where the budget came from.
+
+    `memory_gb` (decimal GB) when given, else `fraction` of the memory available now."""
+    if memory_gb is not None:
+        if not memory_gb > 0:
+            raise ValueError(f"--kv-memory must be > 0 GB, got {memory_gb}")
+        budget, source = memory_gb * 1e9, f"--kv-memory {memory_gb:g} GB"
+    else:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"--kv-memory-fraction must be in (0, 1], got {fraction}")
+        available = available_memory_bytes()
+        budget = fraction * available
+        source = f"{fraction:g} of the {available / 1e9:.1f} GB available (--kv-memory-fraction)"
+    return int(budget // bytes_per_token), source

@@ -79,11 +79,14 @@ class SpecBatch:
     view of exactly those rows (continuous batching without copying the cache each step).
     """
 
-    def __init__(self, target, drafter: Drafter | None = None, budget_policy=None, max_batch: int = 8, max_len: int = 2048):
+    def __init__(self, target, drafter: Drafter | None = None, budget_policy=None, max_batch: int = 8, max_len: int = 2048,
+                 kv_budget_tokens: int | None = None):
         self.target = target
         self.drafter = drafter
         self.policy = budget_policy or FixedBudget()
-        self.cache = target.new_cache(max_batch, max_len)
+        # the cache allocates as sequences grow; a KV budget caps its rows x slots (the scheduler admits within it)
+        budget = {"max_tokens": kv_budget_tokens} if kv_budget_tokens is not None else {}
+        self.cache = target.new_cache(max_batch, max_len, **budget)
         self.seqs: list[RunningSequence] = []
         self.eos_ids = set(target.eos_token_ids)
         self.hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
@@ -107,6 +110,7 @@ class SpecBatch:
                 raise ValueError("prompt is empty: give some text or token ids")
             if limit < 1:
                 raise ValueError(f"max_new_tokens must be >= 1, got {limit}")
+            self.target.check_fits(len(prompt), limit)
             if self.room_needed(len(prompt), limit) > self.cache.max_len:
                 raise ValueError(
                     f"prompt ({len(prompt)} tokens) + max_new_tokens ({limit}) does not fit the context of "
@@ -198,6 +202,8 @@ class SpecBatch:
             self.seqs[row] = self.seqs[last]
         self.seqs.pop()
         self.cache.rows(last, last + 1).truncate(0)
+        if not self.seqs and hasattr(self.cache, "release"):
+            self.cache.release()  # an idle batch holds no KV memory
         seq.finish_reason = seq.finish_reason or "cancelled"
 
     def _drop_finished(self) -> None:
@@ -264,6 +270,8 @@ def _run_steps(target, prompts, drafter, max_new_tokens, sampling, stop, budget_
     params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+    for prompt in prompts:  # before any allocation: the cache is sized from these numbers
+        target.check_fits(len(prompt), max_new_tokens)
     policy = budget_policy or FixedBudget()
     longest = max(len(p) for p in prompts)
     max_len = kv_room(policy, drafter, longest, max_new_tokens)

@@ -80,16 +80,12 @@ class DraftLM:
             return
         self.drop_nodes()
         new_capacity = max(2 * self.capacity, needed)
-        old = self.cache
-        self.cache = self._new_cache(new_capacity)
         self.capacity = new_capacity
-        kept = len(self.tokens)
-        if isinstance(old, KVCache) and isinstance(self.cache, KVCache):  # native cache: copy the slots
-            for layer in range(old.num_layers):
-                self.cache.keys[layer][:, :, :kept] = old.keys[layer][:, :, :kept]
-                self.cache.values[layer][:, :, :kept] = old.values[layer][:, :, :kept]
-            self.cache.lengths = old.lengths.clone()
-        elif kept:  # any other cache type: recompute the prefix in one forward
+        if isinstance(self.cache, KVCache):  # the native cache allocates as it grows: raise its limit
+            self.cache.max_len = new_capacity
+            return
+        self.cache = self._new_cache(new_capacity)
+        if self.tokens:  # any other cache type: recompute the prefix in one forward
             replay, self.tokens = self.tokens, []
             self.extend(replay)
 

@@ -148,17 +148,10 @@ class KeysOfThisPass:
 
 
 def grow_cache(cache: KVCache, needed: int) -> KVCache:
-    """`cache` if it holds `needed` slots, else a doubled copy (same committed slots)."""
-    if needed <= cache.max_len:
-        return cache
-    keys = cache.keys[0]
-    bigger = KVCache(cache.num_layers, cache.batch_size, keys.shape[1], keys.shape[3], max(needed, 2 * cache.max_len), keys.dtype, keys.device)
-    length = int(cache.lengths.max())
-    for layer in range(cache.num_layers):
-        bigger.keys[layer][:, :, :length] = cache.keys[layer][:, :, :length]
-        bigger.values[layer][:, :, :length] = cache.values[layer][:, :, :length]
-    bigger.lengths.copy_(cache.lengths)
-    return bigger
+    """`cache` with room for `needed` slots (a KVCache allocates as it grows: raising its limit is free)."""
+    if needed > cache.max_len:
+        cache.max_len = max(needed, 2 * cache.max_len)
+    return cache
 
 
 class TargetRope(nn.Module):

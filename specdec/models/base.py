@@ -19,6 +19,10 @@ from pathlib import Path
 import torch
 
 
+class ContextLengthError(ValueError):
+    """prompt + max_new_tokens does not fit the model's context window."""
+
+
 class Target(ABC):
     name: str
     tokenizer: object
@@ -37,6 +41,39 @@ class Target(ABC):
 
     @abstractmethod
     def forward(self, tokens, positions, cache, attn_mask=None, hidden_layers=()): ...
+
+    # ---- sizes (one rule for every entry point: CLI, API, server, bench, training data) ----
+
+    def _sizes_config(self):
+        """The config holding the language model's sizes (multimodal configs nest it)."""
+        return self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+
+    @property
+    def context_window(self) -> int:
+        """Positions the model was trained on (`max_position_embeddings` of its config)."""
+        window = getattr(self._sizes_config(), "max_position_embeddings", None)
+        if not window:
+            raise ValueError(f"{self.name}: the model config has no max_position_embeddings (context window)")
+        return int(window)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes one token takes over all layers (keys + values)."""
+        cfg = self._sizes_config()
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return 2 * self.num_layers * kv_heads * head_dim * self.dtype.itemsize
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raise ContextLengthError unless prompt + max_new_tokens fits the context window (before any allocation)."""
+        window = self.context_window
+        if prompt_len + max_new_tokens > window:
+            what = "the prompt alone exceeds it: shorten the prompt" if prompt_len >= window else \
+                f"lower max_new_tokens to at most {window - prompt_len}"
+            raise ContextLengthError(
+                f"prompt ({prompt_len:,} tokens) + max_new_tokens ({max_new_tokens:,}) = {prompt_len + max_new_tokens:,} "
+                f"tokens exceeds {self.name}'s context window of {window:,} tokens; {what}"
+            )
 
     # ---- tokenizer helpers (shared by every backend) ----
 

@@ -188,7 +188,7 @@ class LlamaModel(nn.Module):
         Returns (logits [B, T, V] float32, {layer: hidden [B, T, H]}).
         """
         batch, num_new = tokens.shape
-        cache.check_room(num_new)
+        cache.make_room(num_new)  # grows the cache (chunks) or raises past its limit
         if attn_mask is None and batch == 1 and num_new == 1:
             mask = None  # one query sees every committed slot: no mask needed
         else:
@@ -247,10 +247,11 @@ class NativeTarget(Target):
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.linear_backend = "torch"  # set by load_native when a kernel is swapped in
 
-    def new_cache(self, batch_size: int = 1, max_len: int = 2048, num_layers: int | None = None) -> KVCache:
-        return KVCache(
-            num_layers or self.num_layers, batch_size, self.num_kv_heads, self.head_dim, max_len, self.dtype, self.device
-        )
+    def new_cache(self, batch_size: int = 1, max_len: int = 2048, num_layers: int | None = None,
+                  max_tokens: int | None = None) -> KVCache:
+        """A cache of `batch_size` rows x up to `max_len` slots, allocated as it grows (max_tokens: KV budget)."""
+        return KVCache(num_layers or self.num_layers, batch_size, self.num_kv_heads, self.head_dim, max_len, self.dtype,
+                       self.device, max_tokens)
 
     skips_padding = True  # forward(..., token_valid=) computes only the real tokens' rows
 
