@@ -129,16 +129,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_debug_flag(parser: argparse.ArgumentParser, top: bool = True) -> None:
+    """--debug on the top parser and on every (nested) subcommand, so it may follow any of them."""
+    parser.add_argument("--debug", action="store_true", default=False if top else argparse.SUPPRESS,
+                        help="show the traceback of an error (also SPECDEC_DEBUG=1)")
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                _add_debug_flag(subparser, top=False)
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, (ValueError, OSError, LookupError)) or type(error).__name__ in USER_ERRORS:
+        return text
+    if isinstance(error, MemoryError) or "out of memory" in text.lower():
+        return f"out of memory: {text}"
+    return f"internal error: {type(error).__name__}: {text} (run with --debug for the traceback)"
+
+
+# errors a user causes (bad input, a damaged cache, a missing kernel) that are not ValueError/OSError
+USER_ERRORS = ("ModelCacheError", "ChecksumError", "KernelUnavailable", "ContextLengthError", "KVBudgetError")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run a subcommand. Every failure is one `specdec: error: ...` line and a non-zero exit code;
+    --debug (or SPECDEC_DEBUG=1) shows the traceback instead."""
     parser = build_parser()
+    _add_debug_flag(parser)
     args = parser.parse_args(argv)
+    debug = args.debug or os.environ.get("SPECDEC_DEBUG", "") not in ("", "0")
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"specdec: error: {error}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as error:  # noqa: BLE001 - the last line of defence: never a traceback unless asked
+        if debug:
+            raise
+        message = _one_line(error)
+        print(f"specdec: error: {message}", file=sys.stderr)
+        return 1 if message.startswith("internal error") else 2
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ class Target(ABC):
         window = self.context_window
         if prompt_len + max_new_tokens > window:
             what = "the prompt alone exceeds it: shorten the prompt" if prompt_len >= window else \
-                f"lower max_new_tokens to at most {window - prompt_len}"
+                f"lower max_new_tokens to at most {window - prompt_len:,}"
             raise ContextLengthError(
                 f"prompt ({prompt_len:,} tokens) + max_new_tokens ({max_new_tokens:,}) = {prompt_len + max_new_tokens:,} "
                 f"tokens exceeds {self.name}'s context window of {window:,} tokens; {what}"

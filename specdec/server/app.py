@@ -22,30 +22,37 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..budget import budget_policy_for, parse_gamma
+from ..kv_cache import DEFAULT_KV_MEMORY_FRACTION, kv_budget_tokens
 from ..models.registry import DEFAULT_MODEL
 from ..sampling import SamplingParams, make_generator
 from .metrics import ServerMetrics
 from ..streaming import TextDeltas
-from .scheduler import FinishedEvent, GenerationRequest, QueueFullError, Scheduler, SchedulerStoppedError, TokensEvent
+from .scheduler import (FinishedEvent, GenerationRequest, QueueFullError, Scheduler, SchedulerStoppedError, TokensEvent,
+                        check_max_model_len)
 from .schemas import ChatCompletionRequest, CompletionRequest, describe_validation_error, error_body
 
 log = logging.getLogger("specdec.server")
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
+DEFAULT_MAX_MODEL_LEN = 2048  # tokens per request when the model's window is longer
 DISCONNECT_POLL_S = 0.25
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+OPEN_ROUTES = ("/health",)  # answered without the API key
+RETRY_AFTER_S = 1  # what a 429 (queue full) asks clients to wait
 
 
 class ApiError(Exception):
     """An error answered with an OpenAI-style body and an HTTP status."""
 
     def __init__(self, status: int, message: str, error_type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.error_type, self.param, self.code = status, message, error_type, param, code
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.error_type, self.param, self.code), status_code=self.status)
+        return JSONResponse(error_body(self.message, self.error_type, self.param, self.code), status_code=self.status,
+                            headers=self.headers)
 
 
 class _GuardMiddleware:
@@ -70,13 +77,14 @@ class _GuardMiddleware:
             await send(message)
 
         headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
-        rejection = self._reject(headers)
+        rejection = self._reject(scope["path"], headers)
         if rejection is not None:
             return await rejection.response()(scope, receive, counting_send)
         await self.app(scope, receive, counting_send)
 
-    def _reject(self, headers: dict) -> ApiError | None:
-        if self.api_key is not None:
+    def _reject(self, path: str, headers: dict) -> ApiError | None:
+        # /health stays open: liveness probes cannot send a key (vLLM guards /v1/* the same way)
+        if self.api_key is not None and path not in OPEN_ROUTES:
             given = headers.get("authorization", "")
             scheme, _, token = given.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
@@ -176,6 +184,7 @@ class _Server:
             raise ApiError(400, f"request body is not valid JSON: {error}") from None
         if not isinstance(data, dict):
             raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
+        _check_unicode(data, "")
         return data
 
     @staticmethod
@@ -236,7 +245,8 @@ class _Server:
         try:
             self.scheduler.submit(job)
         except QueueFullError as error:
-            raise ApiError(429, str(error), "rate_limit_error", code="queue_full") from None
+            raise ApiError(429, str(error), "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except SchedulerStoppedError as error:
             raise ApiError(503, str(error), "server_error") from None
         response_id = fmt.id_prefix + uuid.uuid4().hex[:24]
@@ -308,19 +318,30 @@ class _Server:
 
 
 def create_app(target, drafter=None, *, gamma=None, budget_policy=None, model_name: str | None = None,
-               max_running: int = 8, max_queue: int = 64, max_model_len: int = 2048, api_key: str | None = None,
+               max_running: int = 8, max_queue: int = 64, max_model_len: int | None = None, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, default_max_tokens: int = 512,
-               max_prefill_tokens: int = 4096) -> FastAPI:
+               max_prefill_tokens: int = 4096, kv_memory_gb: float | None = None,
+               kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION) -> FastAPI:
     """A FastAPI app serving `target` (optionally speculating with `drafter`).
 
     gamma: None (drafter default), an int (fixed draft budget) or "auto" (load-aware cost model);
-    or pass `budget_policy` directly. The scheduler thread starts with the app (lifespan) and stops with it.
+    or pass `budget_policy` directly. max_model_len: prompt + completion per request (default: the
+    model's context window, at most DEFAULT_MAX_MODEL_LEN). KV memory: `kv_memory_gb`, else
+    `kv_memory_fraction` of the memory available now; requests beyond it wait in the queue.
+    The scheduler thread starts with the app (lifespan) and stops with it.
     """
     if default_max_tokens < 1 or max_body_bytes < 1:
         raise ValueError(f"default_max_tokens and max_body_bytes must be >= 1, got {default_max_tokens}, {max_body_bytes}")
+    if max_model_len is None:
+        max_model_len = min(DEFAULT_MAX_MODEL_LEN, target.context_window)
+    check_max_model_len(target, max_model_len)  # before the cost model measures anything
+    kv_tokens, kv_source = kv_budget_tokens(target.kv_bytes_per_token, kv_memory_gb, kv_memory_fraction)
     metrics = ServerMetrics()
     policy = budget_policy or budget_policy_for(target, drafter, gamma)
-    scheduler = Scheduler(target, drafter, policy, max_running, max_queue, max_model_len, metrics, max_prefill_tokens)
+    scheduler = Scheduler(target, drafter, policy, max_running, max_queue, max_model_len, metrics, max_prefill_tokens,
+                          kv_budget_tokens=kv_tokens)
+    log.info("KV budget: %s tokens (%s, %s B/token); max_model_len %s", f"{kv_tokens:,}", kv_source,
+             f"{target.kv_bytes_per_token:,}", max_model_len)
     metrics.watch(queue_length=lambda: scheduler.queue_length, running=lambda: scheduler.running)
     names = [model_name or target.name] + ([target.name] if model_name and model_name != target.name else [])
     server = _Server(target, scheduler, names, max_model_len, default_max_tokens, max_body_bytes)
@@ -393,6 +414,23 @@ def create_app(target, drafter=None, *, gamma=None, budget_policy=None, model_na
     return app
 
 
+def _check_unicode(value, path: str) -> None:
+    """JSON may carry lone surrogates ("\\ud800"), which no tokenizer can encode: a 400 naming the field."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ApiError(400, f"{path or 'body'} is not valid Unicode: a lone surrogate "
+                                f"(U+{ord(value[error.start]):04X}) at character {error.start}",
+                           param=path.split(".")[0].split("[")[0] or None) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_unicode(item, f"{path}[{index}]")
+
+
 def _model_card(name: str, created: int) -> dict:
     return {"id": name, "object": "model", "created": created, "owned_by": "specdec"}
 
@@ -409,10 +447,18 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /metrics "
+                                                        "(/health stays open for liveness probes)")
     parser.add_argument("--max-running", type=int, default=8, help="sequences in the running batch")
     parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
-    parser.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens per request")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help=f"prompt + completion tokens per request (default: the model's context window, at most "
+                             f"{DEFAULT_MAX_MODEL_LEN}; never more than the window)")
+    parser.add_argument("--kv-memory", type=float, default=None, metavar="GB",
+                        help="KV cache memory budget in GB (default: --kv-memory-fraction of the memory available at "
+                             "start-up); requests that do not fit wait in the queue")
+    parser.add_argument("--kv-memory-fraction", type=float, default=DEFAULT_KV_MEMORY_FRACTION,
+                        help="share of the available memory the KV cache may take when --kv-memory is not given")
     parser.add_argument("--default-max-tokens", type=int, default=512, help="max_tokens when a request gives none")
     parser.add_argument("--max-prefill-tokens", type=int, default=4096,
                         help="admit waiting requests while rows x longest prompt stays under this (one prefill)")
@@ -428,7 +474,7 @@ def run_serve(args) -> int:
 
     gamma = parse_gamma(args.gamma)
     for name in ("max_running", "max_model_len", "default_max_tokens", "max_body_bytes", "max_prefill_tokens"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
@@ -439,7 +485,8 @@ def run_serve(args) -> int:
     app = create_app(target, drafter, gamma=gamma, model_name=args.served_model_name or args.model,
                      max_running=args.max_running, max_queue=args.max_queue, max_model_len=args.max_model_len,
                      api_key=args.api_key, max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
-                     max_prefill_tokens=args.max_prefill_tokens)
+                     max_prefill_tokens=args.max_prefill_tokens, kv_memory_gb=args.kv_memory,
+                     kv_memory_fraction=args.kv_memory_fraction)
     log.info("serving %s (drafter %s, gamma %s) on http://%s:%d/v1", args.model, args.drafter or "none", gamma,
              args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -4,7 +4,8 @@ HTTP handlers never touch torch. They `submit()` a `GenerationRequest` and read 
 from an asyncio queue; the scheduler thread loops:
 
     1. drop cancelled requests (waiting: forget them; running: `batch.remove`, freeing the row)
-    2. admit waiting requests up to `max_running` (`batch.add`: one ragged prefill for all)
+    2. admit waiting requests (FIFO) while the rows, the prefill budget and the KV budget allow
+       (`batch.add`: one ragged prefill for all); the rest wait in the queue
     3. `batch.step()`: one draft -> verify over every running sequence; the budget policy sees
        the whole batch, so speculation shrinks as load grows (AutoBudget, load-aware)
     4. push each request's newly committed tokens (`seq.last_committed`) to its event loop with
@@ -79,14 +80,24 @@ class GenerationRequest:
         return cls(list(prompt_ids), sampling, max_tokens, tuple(stop), asyncio.get_running_loop(), asyncio.Queue())
 
 
+def check_max_model_len(target, max_model_len: int) -> None:
+    """A server never promises more positions than the model has (its context window)."""
+    if max_model_len > target.context_window:
+        raise ValueError(f"--max-model-len {max_model_len:,} exceeds {target.name}'s context window of "
+                         f"{target.context_window:,} tokens (max_position_embeddings): use at most {target.context_window:,}")
+
+
 class Scheduler:
     """Owns the target, the drafter and the SpecBatch; runs on its own thread."""
 
     def __init__(self, target, drafter=None, budget_policy=None, max_running: int = 8, max_queue: int = 64,
-                 max_model_len: int = 2048, metrics: ServerMetrics | None = None, max_prefill_tokens: int = 4096):
+                 max_model_len: int = 2048, metrics: ServerMetrics | None = None, max_prefill_tokens: int = 4096,
+                 kv_budget_tokens: int | None = None):
+        """`kv_budget_tokens`: KV token slots the running batch may hold (rows x longest reservation); None = no cap."""
         if max_running < 1 or max_queue < 0 or max_model_len < 2 or max_prefill_tokens < 1:
             raise ValueError(f"need max_running >= 1, max_queue >= 0, max_model_len >= 2, max_prefill_tokens >= 1; "
                              f"got {max_running}, {max_queue}, {max_model_len}, {max_prefill_tokens}")
+        check_max_model_len(target, max_model_len)
         self.target = target
         self.max_running, self.max_queue, self.max_model_len = max_running, max_queue, max_model_len
         # one admission prefill pads every prompt to the longest: cap rows x longest so a burst of long
@@ -95,7 +106,18 @@ class Scheduler:
         self.metrics = metrics or ServerMetrics()
         policy = budget_policy or FixedBudget()
         # size the cache so any prompt + max_tokens <= max_model_len fits with the largest draft block
-        self.batch = SpecBatch(target, drafter, policy, max_batch=max_running, max_len=kv_room(policy, drafter, max_model_len, 0))
+        longest = kv_room(policy, drafter, max_model_len, 0)  # a max-length request
+        if kv_budget_tokens is not None and kv_budget_tokens < longest:
+            per_token = target.kv_bytes_per_token
+            raise ValueError(
+                f"the KV memory budget holds {kv_budget_tokens:,} tokens ({kv_budget_tokens * per_token / 1e9:.2f} GB at "
+                f"{per_token:,} B/token) but one sequence of --max-model-len {max_model_len:,} (+ draft room) needs "
+                f"{longest:,} ({longest * per_token / 1e9:.2f} GB): raise --kv-memory or lower --max-model-len"
+            )
+        self.kv_budget_tokens = kv_budget_tokens
+        self.batch = SpecBatch(target, drafter, policy, max_batch=max_running, max_len=longest,
+                               kv_budget_tokens=kv_budget_tokens)
+        self._reserved: dict[object, int] = {}  # running sequence -> KV slots it may grow to
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
         self._running: dict[object, GenerationRequest] = {}  # SpecBatch sequence -> request
         self._wake = threading.Condition()
@@ -168,17 +190,30 @@ class Scheduler:
             self._drop_orphans()
         self._fail_all("the server is shutting down")
 
+    def _reservation(self, request: GenerationRequest) -> int:
+        return self.batch.room_needed(len(request.prompt_ids), request.max_tokens)
+
     def _pop_admissible(self) -> list[GenerationRequest]:
-        """Waiting requests (FIFO) that fit the free rows and the padded prefill budget (at least one)."""
+        """Waiting requests (FIFO) that fit the free rows, the padded prefill budget (at least one) and the
+        KV budget. The cache is one rectangle, so the KV budget must hold rows x the longest reservation."""
         room = self.max_running - len(self._running)
         admitted: list[GenerationRequest] = []
         longest = 0
+        widest = max(self._reserved.values(), default=0)
         while self._waiting and len(admitted) < room:
-            candidate = max(longest, len(self._waiting[0].prompt_ids))
+            head = self._waiting[0]
+            if head.cancelled:  # it leaves in the next round without taking a row
+                admitted.append(self._waiting.popleft())
+                continue
+            candidate = max(longest, len(head.prompt_ids))
             if admitted and (len(admitted) + 1) * candidate > self.max_prefill_tokens:
                 break
+            wider = max(widest, self._reservation(head))
+            over_budget = self.kv_budget_tokens is not None and (len(self._running) + len(admitted) + 1) * wider > self.kv_budget_tokens
+            if over_budget and (self._running or admitted):  # alone it always fits (checked at start-up)
+                break  # waits until running sequences finish and free KV memory
             admitted.append(self._waiting.popleft())
-            longest = candidate
+            longest, widest = candidate, wider
         return admitted
 
     def _guarded(self, action, affected: list[GenerationRequest]) -> None:
@@ -203,6 +238,7 @@ class Scheduler:
         for request, seq in zip(live, seqs):
             request.sequence = seq
             self._running[seq] = request
+            self._reserved[seq] = self._reservation(request)
             self.metrics.record_admitted(len(request.prompt_ids))
         self._deliver(seqs)
 
@@ -242,6 +278,7 @@ class Scheduler:
     def _finish(self, request: GenerationRequest, reason: str) -> None:
         seq = request.sequence
         self._running.pop(seq, None)
+        self._reserved.pop(seq, None)
         output = list(seq.ctx.output_tokens)
         text = seq.output_text(self.target)
         decode_seconds = time.perf_counter() - request.first_token_at if request.first_token_at else None
@@ -258,6 +295,7 @@ class Scheduler:
         seq = request.sequence
         if seq is not None:
             self._running.pop(seq, None)
+            self._reserved.pop(seq, None)
             if seq in self.batch.seqs:
                 try:
                     self.batch.remove(seq)

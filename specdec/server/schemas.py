@@ -27,8 +27,8 @@ class _SamplingFields(BaseModel):
 
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, strict=True)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, strict=True)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, strict=True)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, strict=True, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, strict=True, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=-1, strict=True)  # extension (vLLM-style); 0 or -1 = off
     seed: int | None = Field(default=None, strict=True, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
@@ -36,8 +36,8 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, strict=True)
     logprobs: bool | int | None = None
-    presence_penalty: float = Field(default=0.0, strict=True)
-    frequency_penalty: float = Field(default=0.0, strict=True)
+    presence_penalty: float = Field(default=0.0, strict=True, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, strict=True, allow_inf_nan=False)
 
     @field_validator("stop")
     @classmethod
