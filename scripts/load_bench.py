@@ -10,6 +10,13 @@ records per request: time to first token, end-to-end time, completion tokens. It
 
     python scripts/load_bench.py --model smollm2-135m --drafter pld --concurrency 1,2,4,8 --max-tokens 128
 
+Soak mode (`--soak-seconds S`): one server (the first of --configs), max(--concurrency) clients for S
+seconds, each mixing full streams, streams it abandons after a few chunks, and non-streamed
+requests; the server's RSS is sampled every few seconds. It writes OUT/soak.json (requests served,
+cancelled, errors, RSS start / end / peak) and exits non-zero on any error or if the server died.
+
+    python scripts/load_bench.py --soak-seconds 600 --concurrency 8 --configs speculative --max-tokens 64
+
 The client side uses only the standard library (http.client), so the measurement does not depend
 on the client package; the server's /metrics gives the speculative figures of each level.
 """
@@ -23,8 +30,10 @@ import json
 import os
 import socket
 import statistics
+import random
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -152,6 +161,97 @@ def stream_chat(port: int, model: str, prompt: str, max_tokens: int, temperature
     return RequestResult(user, prompt_index, start, first_token, time.perf_counter(), tokens, status, error)
 
 
+def abandoned_stream(port: int, model: str, prompt: str, max_tokens: int, chunks: int) -> str:
+    """A streaming request whose client hangs up after `chunks` chunks: "cancelled", or an error text."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True}
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    try:
+        connection.request("POST", "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            return f"HTTP {response.status}: {response.read().decode()[:200]}"
+        seen = 0
+        for raw in response:
+            seen += raw.startswith(b"data:")
+            if seen >= chunks:
+                break
+        return "cancelled"
+    except OSError as failure:
+        return f"{type(failure).__name__}: {failure}"
+    finally:
+        connection.close()  # mid-stream: the server must notice and free the row
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def soak(args, port: int, model: str, pid: int) -> dict:
+    """max(--concurrency) clients for --soak-seconds: mixed full / abandoned / non-streamed requests."""
+    deadline = time.monotonic() + args.soak_seconds
+    rss, stop = [(0.0, rss_bytes(pid))], threading.Event()
+    started = time.monotonic()
+
+    def sample():
+        while not stop.wait(args.rss_interval):
+            rss.append((time.monotonic() - started, rss_bytes(pid)))
+
+    def client(user: int) -> dict:
+        rng = random.Random(user)
+        counts = {"served": 0, "cancelled": 0, "errors": 0, "completion_tokens": 0, "error_samples": []}
+        for turn in range(args.soak_max_requests):  # bounded even if the clock misbehaves
+            if time.monotonic() >= deadline:
+                break
+            prompt = PROMPTS[rng.randrange(len(PROMPTS))]
+            kind = rng.choice(("stream", "stream", "abandon", "plain"))
+            if kind == "abandon":
+                outcome = abandoned_stream(port, model, prompt, args.max_tokens, rng.randint(1, 6))
+                error = None if outcome == "cancelled" else outcome
+                counts["cancelled"] += error is None
+            elif kind == "stream":
+                result = stream_chat(port, model, prompt, args.max_tokens, args.temperature, user, turn)
+                error = result.error or (None if result.status == 200 else f"HTTP {result.status}")
+                counts["served"] += error is None
+                counts["completion_tokens"] += result.completion_tokens if error is None else 0
+            else:
+                status, text = http_json(port, "POST", "/v1/chat/completions", {
+                    "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens,
+                    "temperature": args.temperature})
+                error = None if status == 200 else f"HTTP {status}: {text[:200]}"
+                counts["served"] += error is None
+                counts["completion_tokens"] += json.loads(text)["usage"]["completion_tokens"] if error is None else 0
+            if error is not None:
+                counts["errors"] += 1
+                counts["error_samples"] = (counts["error_samples"] + [error])[:3]
+        return counts
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    users = max(args.concurrency)
+    with concurrent.futures.ThreadPoolExecutor(users) as pool:
+        per_user = list(pool.map(client, range(users)))
+    stop.set()
+    sampler.join()
+    rss.append((time.monotonic() - started, rss_bytes(pid)))
+    total = {key: sum(c[key] for c in per_user) for key in ("served", "cancelled", "errors", "completion_tokens")}
+    status, _ = http_json(port, "GET", "/health", timeout=30)
+    return {
+        **total,
+        "clients": users,
+        "seconds": time.monotonic() - started,
+        "health_after": status,
+        "rss_start_mb": rss[0][1] / 1e6,
+        "rss_end_mb": rss[-1][1] / 1e6,
+        "rss_peak_mb": max(r for _, r in rss) / 1e6,
+        "rss_samples": [(round(t, 1), round(r / 1e6, 1)) for t, r in rss],
+        "error_samples": [e for c in per_user for e in c["error_samples"]][:10],
+    }
+
+
 def scrape(port: int) -> dict[str, float]:
     status, text = http_json(port, "GET", "/metrics")
     samples = {}
@@ -240,6 +340,9 @@ def parse_args(argv=None):
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to load the model (and measure costs)")
     parser.add_argument("--out", default="runs/load_bench", help="output directory")
+    parser.add_argument("--soak-seconds", type=float, default=0, help="soak mode: run clients this long (see the doc)")
+    parser.add_argument("--soak-max-requests", type=int, default=10_000, help="soak mode: requests per client at most")
+    parser.add_argument("--rss-interval", type=float, default=5.0, help="soak mode: seconds between RSS samples")
     args = parser.parse_args(argv)
     try:
         args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
@@ -256,10 +359,34 @@ def parse_args(argv=None):
     return args
 
 
+def main_soak(args, out: Path) -> int:
+    config = args.configs[0]
+    port = free_port()
+    process = start_server(args, config, port, out / f"server_soak_{config}.log")
+    try:
+        _, models = http_json(port, "GET", "/v1/models")
+        model = json.loads(models)["data"][0]["id"]
+        result = soak(args, port, model, process.pid)
+        alive = process.poll() is None
+    finally:
+        stop_server(process)
+    meta = {key: getattr(args, key) for key in ("model", "drafter", "gamma", "max_tokens", "temperature", "max_model_len",
+                                                 "soak_seconds")}
+    result = {"meta": {**meta, "config": config, "argv": sys.argv}, "server_alive_at_end": alive, **result}
+    (out / "soak.json").write_text(json.dumps(result, indent=2))
+    print(f"soak {config}: {result['seconds']:.0f}s, {result['clients']} clients: served {result['served']}, "
+          f"cancelled {result['cancelled']}, errors {result['errors']}, {result['completion_tokens']} tokens; "
+          f"RSS {result['rss_start_mb']:.0f} -> {result['rss_end_mb']:.0f} MB (peak {result['rss_peak_mb']:.0f}); "
+          f"wrote {out / 'soak.json'}")
+    return 1 if result["errors"] or not alive or result["health_after"] != 200 else 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.soak_seconds > 0:
+        return main_soak(args, out)
     rows, raw = [], []
     for config in args.configs:
         port = free_port()
