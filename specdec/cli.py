@@ -45,9 +45,9 @@ def cmd_generate(args) -> int:
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     options = drafter_options(args.drafter, args.drafter_arg) if args.drafter else {}
+    gamma = parse_gamma(args.gamma)  # before loading: a typo costs no model load
     target = _load_target_with_status(args.model, args.dtype)
     drafter = make_drafter(args.drafter, target, **options) if args.drafter else None
-    gamma = parse_gamma(args.gamma)
     prompt = args.prompt
     if args.stream:
         for piece in stream(target, prompt, drafter, args.max_new_tokens, sampling, args.stop, gamma):

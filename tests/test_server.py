@@ -176,6 +176,10 @@ def test_eight_concurrent_clients_match_alone_and_generate(smollm2, drafter, cli
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": 7.5}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "finite number"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}', 400, "finite number"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi \\ud800 there"}]}', 400,
+     "messages[0].content is not valid Unicode: a lone surrogate (U+D800) at character 3"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n=1"),
@@ -186,6 +190,7 @@ def test_eight_concurrent_clients_match_alone_and_generate(smollm2, drafter, cli
 def test_invalid_chat_requests_get_openai_style_errors(smollm2, base_url, body, status, words):
     if isinstance(body, dict):
         body = json.dumps({"model": smollm2.name, **body}).encode()
+    body = body.replace(b'"M"', json.dumps(smollm2.name).encode())
     response = httpx.post(base_url + "/v1/chat/completions", content=body,
                           headers={"Content-Type": "application/json"}, timeout=60)
     assert response.status_code == status, response.text
@@ -258,6 +263,8 @@ def test_api_key_is_required(smollm2, tiny_url):
     wrong = httpx.post(tiny_url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(tiny_url + "/metrics").status_code == 401
+    assert httpx.get(tiny_url + "/v1/models").status_code == 401
+    assert httpx.get(tiny_url + "/health").status_code == 200  # liveness probes send no key
     keyed = openai.OpenAI(base_url=tiny_url + "/v1", api_key=KEY, max_retries=0)
     assert keyed.chat.completions.create(model=smollm2.name, **_request("hi", {"max_tokens": 2})).usage.completion_tokens >= 1
 
@@ -279,6 +286,7 @@ def test_disconnect_mid_stream_frees_the_slot_and_full_queue_gives_429(smollm2, 
             refused = http.post(tiny_url + "/v1/chat/completions",
                                 json={"model": smollm2.name, **_request("hi", {"max_tokens": 2})})
             assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+            assert int(refused.headers["Retry-After"]) >= 1
         # leaving the `with` closed the connection mid-stream: its row is freed and the queued request runs
         served = waiting.result(timeout=60)
     assert served.status_code == 200 and served.json()["choices"][0]["message"]["content"]

@@ -140,7 +140,12 @@ def drafter_options(name: str, pairs: list[str]) -> dict:
         key = key.replace("-", "_")
         if not sep or key not in allowed:
             raise ValueError(f"--drafter-arg {pair!r}: {name} takes KEY=VALUE with KEY in {allowed}")
-        options[key] = parse_option_value(raw, hints.get(key, str))
+        try:
+            options[key] = parse_option_value(raw, hints.get(key, str))
+        except ValueError as error:
+            kind = hints.get(key, str)
+            raise ValueError(f"--drafter-arg {pair!r}: {key} of {name} must be {getattr(kind, '__name__', kind)}, "
+                             f"got {raw!r} ({error})") from None
     return options
 
 

@@ -11,6 +11,7 @@ entry that a later run would trust.
 from __future__ import annotations
 
 import argparse
+import glob
 import hashlib
 import importlib
 import importlib.metadata
@@ -294,7 +295,8 @@ def assemble_parts(spec: ModelSpec, destination: Path, progress: bool = True) ->
     destination.parent.mkdir(parents=True, exist_ok=True)
     total = sum(p.stat().st_size for p in parts)
     digest = hashlib.sha256()
-    handle, temp_name = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=".tmp", dir=destination.parent)
+    _remove_stale_temps(destination.parent, destination.name)
+    handle, temp_name = tempfile.mkstemp(prefix=_temp_prefix(destination.name), suffix=".tmp", dir=destination.parent)
     temp_path = Path(temp_name)
     try:
         with os.fdopen(handle, "wb") as out, tqdm(
@@ -392,6 +394,34 @@ def _remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _temp_prefix(name: str) -> str:
+    """Temp siblings carry the writer's pid, so a later run can tell a killed writer's leftovers."""
+    return f".{name}.{os.getpid()}."
+
+
+def _remove_stale_temps(directory: Path, name: str) -> None:
+    """Delete `.{name}.{pid}.*.tmp` left by a writer that was killed (its pid no longer runs)."""
+    if not directory.is_dir():
+        return
+    for path in directory.glob(f".{glob.escape(name)}.*.tmp"):
+        pid = path.name[len(name) + 2 :].split(".", 1)[0]
+        if pid.isdigit() and not _process_running(int(pid)):
+            if path.is_dir():
+                _remove_tree(path)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def _process_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
 def _is_complete(model_dir: Path, sha256: str | None) -> bool:
     from specdec.models.gguf import CONVERTER_VERSION
 
@@ -420,7 +450,8 @@ def convert_into_cache(gguf_path: Path, model_dir: Path, source_sha256: str, nam
     from specdec.models.gguf import convert_gguf_to_hf_dir
 
     model_dir.parent.mkdir(parents=True, exist_ok=True)
-    temp_dir = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", suffix=".tmp", dir=model_dir.parent))
+    _remove_stale_temps(model_dir.parent, model_dir.name)
+    temp_dir = Path(tempfile.mkdtemp(prefix=_temp_prefix(model_dir.name), suffix=".tmp", dir=model_dir.parent))
     temp_dir.chmod(0o755)  # mkdtemp makes it private; a model cache is ordinary shared data
     try:
         convert_gguf_to_hf_dir(gguf_path, temp_dir, progress=progress)
