@@ -194,6 +194,7 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
         from ..api import load_target
 
         target = load_target(config.target, dtype=config.dtype, progress=config.progress)
+    target.check_fits(1, config.max_new_tokens)  # the size rule, before any method runs (each prompt is checked too)
     if config.draft_model is None:  # a copy: the caller's config is left as given
         config = replace(config, draft_model=DEFAULT_DRAFT_FOR_TARGET.get(config.target if owns_target else str(target.name)))
     run = _Run(config, questions, sampling)

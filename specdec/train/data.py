@@ -81,6 +81,7 @@ class DataSettings:
             raise ValueError(f"sampled_fraction must be in [0, 1], got {self.sampled_fraction!r}")
         self.layers = resolve_layers(self.layers, target)
         SamplingParams(self.temperature, 0, self.top_p)  # raises a clear error for bad values
+        target.check_fits(1, self.max_new_tokens)  # before anything is written; each prompt is checked too
 
     def decoding_for(self, prompt_index: int) -> SamplingParams:
         """Greedy or sampled (with its own seed) for one prompt: a function of (seed, index) only."""
@@ -255,6 +256,8 @@ def build_dataset(
     out_dir = Path(out_dir)
     manifest, prompts = _open_or_create(target, out_dir, settings, prompts)
     prompt_ids = [target.encode_prompt(p.text) for p in prompts]
+    for ids in prompt_ids:  # every answer must fit the context window, before any shard is generated
+        target.check_fits(len(ids), settings.max_new_tokens)
     done = {int(k) for k, v in manifest["shards"].items() if (out_dir / v["file"]).is_file()}
     estimate = estimate_bytes([len(p) for p in prompt_ids], settings, target.hidden_size)
     log(
@@ -325,6 +328,7 @@ class CorpusSettings:
         if not self.instruction.strip():
             raise ValueError("the instruction (the user turn before each chunk) must not be empty")
         self.layers = resolve_layers(self.layers, target)
+        target.check_fits(len(target.encode_prompt(self.instruction)), self.chunk_tokens)  # one sample = one forward
 
 
 def corpus_files(paths: list[str | Path]) -> list[Path]:
