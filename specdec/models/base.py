@@ -2,7 +2,8 @@
 
 A Target is a causal LM plus its tokenizer:
 
-    target.new_cache(batch_size=1, max_len=...) -> cache with .lengths [B], .truncate(), .keep()
+    target.new_cache(batch_size=1, max_len=..., max_tokens=None) -> cache with .lengths [B], .truncate(), .keep()
+        (max_len: slots per sequence at most; max_tokens: a KV memory budget in token slots)
     target.forward(tokens [B, T], positions [B, T], cache, attn_mask=None, hidden_layers=())
         -> (logits [B, T, V] float32, {layer: hidden [B, T, H]})
 
@@ -37,7 +38,7 @@ class Target(ABC):
     skips_padding: bool = False
 
     @abstractmethod
-    def new_cache(self, batch_size: int = 1, max_len: int = 2048): ...
+    def new_cache(self, batch_size: int = 1, max_len: int = 2048, max_tokens: int | None = None): ...
 
     @abstractmethod
     def forward(self, tokens, positions, cache, attn_mask=None, hidden_layers=()): ...

@@ -7,7 +7,7 @@ The native runtime (llama.py) covers the Llama family; this wraps everything els
     target.forward(tokens[B, T], positions[B, T], cache, attn_mask[B, T, T] | None, hidden_layers)
         -> (logits[B, T, V] float32, {layer: hidden[B, T, H]})
 
-The K/V live in the same preallocated KVCache the native runtime uses, so per-row lengths,
+The K/V live in the same KVCache the native runtime uses (allocated as it grows), so per-row lengths,
 rollback (`truncate`), tree-path compaction (`keep`), row views (`rows`) and `move_row` behave
 identically for every batch size. transformers reaches it through a thin `Cache` adapter whose
 layers write each row's new K/V after that row's own length. The model never builds a mask:
@@ -60,7 +60,7 @@ class _KVCacheLayer(CacheLayerMixin):
         self.cache, self.layer = cache, layer
         self.is_initialized = True
 
-    def lazy_initialization(self, key_states, value_states) -> None:  # storage is preallocated
+    def lazy_initialization(self, key_states, value_states) -> None:  # the KVCache allocates itself
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -137,8 +137,9 @@ class HFTarget(Target):
 
     # -- Target contract -------------------------------------------------------------------
 
-    def new_cache(self, batch_size: int = 1, max_len: int = 2048) -> KVCache:
-        return KVCache(self.num_layers, batch_size, self.num_kv_heads, self.head_dim, max_len, self.dtype, self.device)
+    def new_cache(self, batch_size: int = 1, max_len: int = 2048, max_tokens: int | None = None) -> KVCache:
+        return KVCache(self.num_layers, batch_size, self.num_kv_heads, self.head_dim, max_len, self.dtype, self.device,
+                       max_tokens)
 
     @torch.no_grad()
     def forward(
@@ -184,7 +185,7 @@ class HFTarget(Target):
             raise ValueError(f"tokens have batch size {batch_size}, the cache was made for {cache.batch_size}")
         if cache.num_layers != self.num_layers:
             raise ValueError(f"the cache has {cache.num_layers} layers, the model {self.num_layers}")
-        cache.check_room(num_new)
+        cache.make_room(num_new)
         if attn_mask is not None and (attn_mask.dtype != torch.bool or tuple(attn_mask.shape) != (batch_size, num_new, num_new)):
             raise ValueError(f"attn_mask must be a bool tensor of shape {(batch_size, num_new, num_new)}; "
                              f"got {attn_mask.dtype} {tuple(attn_mask.shape)}")
