@@ -173,11 +173,15 @@ class KVCache:
 
         Returns the keys / values `[B, H_kv, S, D]` with S = max(lengths) + T, which the
         attention reads under the mask from `attention_mask()`. Lengths advance in `advance()`
-        once every layer has written, so all layers see the same offsets. `make_room(T)` first.
+        once every layer has written, so all layers see the same offsets. The storage grows here
+        when a caller did not `make_room(T)` first (a model's forward does, before any layer runs).
         """
-        keys, values = self._layer(self._store.keys, layer), self._layer(self._store.values, layer)
         num_new = new_keys.shape[2]
         starts = self.lengths
+        span = int(starts.max()) + num_new
+        if span > self._store.capacity or self._first_row + self.batch_size > self._store.rows:
+            self.reserve(span)
+        keys, values = self._layer(self._store.keys, layer), self._layer(self._store.values, layer)
         first = int(starts[0])
         if bool((starts == first).all()):  # the common case: one slice for the whole batch
             keys[:, :, first : first + num_new] = new_keys
@@ -186,7 +190,6 @@ class KVCache:
             for row, start in enumerate(starts.tolist()):
                 keys[row, :, start : start + num_new] = new_keys[row]
                 values[row, :, start : start + num_new] = new_values[row]
-        span = int(starts.max()) + num_new
         return keys[:, :, :span], values[:, :, :span]
 
     def advance(self, num_new: int) -> None:

@@ -88,6 +88,8 @@ def test_row_views_grow_the_shared_storage_and_move_rows():
     assert torch.equal(cache.keys[0][0, :, :5], torch.full((2, 5, 4), 7.0))  # row 0 kept across the growth
     cache.move_row(2, 0)
     assert int(cache.lengths[0]) == 300 and torch.equal(cache.keys[1][0, :, :300], torch.full((2, 300, 4), 9.0))
+    keys, _ = cache.write(0, torch.ones(3, 2, 400, 4), torch.ones(3, 2, 400, 4))  # a caller that skipped make_room
+    assert cache.capacity >= 700 and keys.shape == (3, 2, 700, 4)
 
 
 def test_decoding_across_chunk_boundaries_equals_one_full_forward(smollm2):
