@@ -116,6 +116,21 @@ ENTITIES = {
     "concept": ("inflation", "entropy", "natural selection", "opportunity cost", "the greenhouse effect", "photosynthesis",
                 "plate tectonics", "supply chains", "herd immunity", "compound interest", "the placebo effect", "osmosis",
                 "cognitive dissonance", "the water cycle", "continental drift", "game theory", "biodiversity", "relativity"),
+    "person": ("Marie Curie", "Leonardo da Vinci", "Nelson Mandela", "Ada Lovelace", "Confucius", "Frida Kahlo",
+               "Isaac Newton", "Cleopatra", "Mahatma Gandhi", "Wolfgang Amadeus Mozart", "Charles Darwin", "Joan of Arc",
+               "Albert Einstein", "Florence Nightingale", "Galileo Galilei", "Ibn Battuta", "Rosalind Franklin",
+               "Genghis Khan", "Jane Austen", "Alan Turing", "Hypatia", "Simon Bolivar", "Harriet Tubman", "Nikola Tesla"),
+    "book": ("Pride and Prejudice", "Don Quixote", "One Hundred Years of Solitude", "War and Peace", "The Odyssey",
+             "Things Fall Apart", "Moby-Dick", "The Tale of Genji", "Frankenstein", "The Little Prince", "Hamlet",
+             "Crime and Punishment", "The Divine Comedy", "Jane Eyre", "The Great Gatsby", "Les Miserables"),
+    "food": ("sushi", "sourdough bread", "kimchi", "chocolate", "olive oil", "paella", "tofu", "cheddar cheese", "coffee",
+             "quinoa", "croissants", "pasta", "yoghurt", "maple syrup", "saffron", "tortillas", "green tea", "honey"),
+    "sport": ("cricket", "basketball", "tennis", "rugby", "ice hockey", "table tennis", "volleyball", "golf", "fencing",
+              "badminton", "rowing", "judo", "baseball", "cycling", "handball", "curling", "water polo", "archery"),
+    "body": ("the liver", "the heart", "the lungs", "the kidneys", "the brain", "the skin", "the pancreas", "bones",
+             "the stomach", "the eyes", "the inner ear", "red blood cells", "the thyroid", "muscles", "the spleen"),
+    "space": ("Mars", "Jupiter", "the Moon", "the Sun", "Saturn's rings", "a comet", "the Milky Way", "a neutron star",
+              "Venus", "the asteroid belt", "Titan", "the Andromeda galaxy", "a solar eclipse", "Pluto", "Europa"),
     "place": ("the Amazon river", "Mount Everest", "the Sahara", "the Great Barrier Reef", "Antarctica", "the Dead Sea",
               "the Grand Canyon", "Lake Baikal", "the Mariana Trench", "Venice", "the Alps", "Machu Picchu", "the Nile"),
 }
@@ -133,12 +148,27 @@ QUESTION_TEMPLATES = {
               "Who were the key people in {x}?", "Why is {x} remembered today?"),
     "concept": ("What is {x}?", "Who first described {x}?", "Can you give an everyday example of {x}?",
                 "Why does {x} matter?", "How is {x} measured?"),
+    "person": ("Who was {x}?", "What is {x} best known for?", "When did {x} live?", "What did {x} achieve?",
+               "Where did {x} grow up?", "Why is {x} still famous today?", "What influenced {x}?"),
+    "book": ("Who wrote {x}?", "What is {x} about?", "When was {x} written?", "Who is the main character of {x}?",
+             "Why is {x} considered a classic?", "What are the main themes of {x}?"),
+    "food": ("Where does {x} come from?", "How is {x} made?", "Is {x} healthy?", "How long does {x} keep?",
+             "What dishes use {x}?", "What is the history of {x}?"),
+    "sport": ("What are the basic rules of {x}?", "Where was {x} invented?", "How many players are in a {x} team?",
+              "Who is the best {x} player of all time?", "What equipment do you need for {x}?", "How is {x} scored?"),
+    "body": ("What does {x} do?", "How does {x} work?", "What can go wrong with {x}?", "How can I keep {x} healthy?",
+             "Where in the body is {x}?"),
+    "space": ("How far away is {x}?", "What is {x} made of?", "How big is {x}?", "Has anyone visited {x}?",
+              "How was {x} discovered?", "What would you see on {x}?"),
     "place": ("Where is {x}?", "How was {x} formed?", "How big is {x}?", "Why do people visit {x}?",
               "What lives in or around {x}?"),
 }
 COMPARISONS = ("What is the difference between {x} and {y}?", "Which is larger, {x} or {y}?",
                "How are {x} and {y} related?")
-QA_STYLE = ("", "", "", " Answer in one sentence.", " Answer briefly.", " Explain your answer.")
+QA_STYLE = ("", "", "", " Answer in one sentence.", " Answer briefly.", " Explain your answer.", " Keep it short.",
+            " Give some background too.")
+QA_OPENERS = ("", "", "", "", "Quick question: ", "I was wondering: ", "My son asked me this and I did not know. ",
+              "For a pub quiz: ", "I'm studying for an exam. ", "Settle an argument: ")
 
 
 def qa_prompt(rng: random.Random) -> str:
@@ -149,7 +179,7 @@ def qa_prompt(rng: random.Random) -> str:
     else:
         question = rng.choice(QUESTION_TEMPLATES[category]).format(x=rng.choice(ENTITIES[category]))
     question = question[0].upper() + question[1:]
-    return question + rng.choice(QA_STYLE)
+    return rng.choice(QA_OPENERS) + question + rng.choice(QA_STYLE)
 
 
 # ----------------------------------------------------------------------------- programming requests
@@ -163,12 +193,21 @@ ALGORITHMS = (
     "count the lines, words and characters of a file", "convert a Roman numeral to an integer", "implement an LRU cache",
     "check whether brackets in a string are balanced", "compute the edit distance of two strings",
     "find the shortest path in a grid", "serialise a binary tree to a string", "format a number with thousands separators",
+    "parse a date string and print the weekday", "read a JSON file and sum one field", "retry an HTTP request with backoff",
+    "split a list into chunks of size n", "compute the median of a list", "find duplicate files by content",
+    "sort a list of records by two keys", "count word frequencies in a large file", "generate all permutations of a list",
+    "implement a simple queue with two stacks", "check whether two strings are anagrams", "merge overlapping intervals",
+    "convert a string to title case", "compute a moving maximum over a window", "parse command-line arguments",
+    "rate-limit calls to a function", "deep-copy a nested dictionary", "implement binary tree insertion",
 )
 LANGUAGES = ("Python", "JavaScript", "C", "Rust", "Go", "Bash", "Java", "TypeScript", "C++", "SQL")
 CODE_TEMPLATES = (
     "Write a {language} function to {task}.{extra}", "Write a {language} function to {task}, and explain how it works.{extra}",
     "Write unit tests in {language} for a function that does this: {task}.", "What is the time complexity of the usual way to {task}? Show {language} code.",
     "Review this plan and write the code: in {language}, {task}.{extra}", "My {language} code to {task} is too slow. How would you speed it up?",
+    "How do I {task} in {language}?{extra}", "Show two different ways to {task} in {language} and compare them.",
+    "I'm new to {language}. Can you show me how to {task}, step by step?{extra}",
+    "Write idiomatic {language} to {task} and list the edge cases.{extra}",
 )
 CODE_EXTRAS = ("", " Add comments.", " Handle invalid input.", " Keep it short.", " Use no external libraries.",
                " Include an example call.")

@@ -56,9 +56,10 @@ def shopping(rng):
 def speed(rng):
     name = _name(rng)
     kmh, hours, minutes = rng.randint(4, 120), rng.randint(1, 6), rng.choice((0, 15, 30, 45))
-    text = (f"{name} travels at a steady {kmh} kilometres per hour for {hours} hours and {minutes} minutes. "
-            f"How far does {name} travel, in kilometres?")
-    return MathsProblem(text, (Fraction(kmh), Fraction(hours), Fraction(minutes)), kmh * (hours + Fraction(minutes, 60)))
+    duration = f"{hours} hours and {minutes} minutes" if minutes else f"{hours} hours"
+    text = f"{name} travels at a steady {kmh} kilometres per hour for {duration}. How far does {name} travel, in kilometres?"
+    numbers = (Fraction(kmh), Fraction(hours)) + ((Fraction(minutes),) if minutes else ())
+    return MathsProblem(text, numbers, kmh * (hours + Fraction(minutes, 60)))
 
 
 def percentage(rng):
@@ -68,10 +69,9 @@ def percentage(rng):
 
 
 def work_rate(rng):
-    name, other = _name(rng), None
+    name = _name(rng)
     other = _name(rng, name)
-    per_hour_a, per_hour_b, total = rng.randint(2, 20), rng.randint(2, 20), None
-    hours = rng.randint(2, 9)
+    per_hour_a, per_hour_b, hours = rng.randint(2, 20), rng.randint(2, 20), rng.randint(2, 9)
     total = (per_hour_a + per_hour_b) * hours
     text = (f"{name} can pack {per_hour_a} boxes an hour and {other} can pack {per_hour_b} boxes an hour. "
             f"Working together, how many hours do they need to pack {total} boxes?")
@@ -79,7 +79,7 @@ def work_rate(rng):
 
 
 def ages(rng):
-    name, other = _name(rng), None
+    name = _name(rng)
     other = _name(rng, name)
     young, factor, years = rng.randint(3, 20), rng.randint(2, 4), rng.randint(2, 15)
     text = (f"{name} is {factor} times as old as {other}. {other} is {young} years old. "
@@ -90,6 +90,7 @@ def ages(rng):
 def average(rng):
     name = _name(rng)
     scores = [rng.randint(40, 100) for _ in range(rng.randint(3, 6))]
+    scores[-1] -= sum(scores) % len(scores)  # a whole-number average
     text = (f"{name} scored {', '.join(map(str, scores[:-1]))} and {scores[-1]} points in {len(scores)} games. "
             f"What is {name}'s average score per game?")
     return MathsProblem(text, tuple(Fraction(s) for s in scores) + (Fraction(len(scores)),), Fraction(sum(scores), len(scores)))
@@ -128,7 +129,7 @@ def arithmetic(rng):
 
 def savings(rng):
     name = _name(rng)
-    weekly, weeks, spent = rng.randint(5, 60), rng.randint(3, 26), None
+    weekly, weeks = rng.randint(5, 60), rng.randint(3, 26)
     spent = rng.randint(0, weekly * weeks)
     text = (f"{name} saves {weekly} dollars every week for {weeks} weeks, then spends {spent} dollars on a present. "
             f"How much money does {name} have left?")
@@ -137,8 +138,7 @@ def savings(rng):
 
 def sharing(rng):
     (item, items), people = rng.choice(ITEMS), rng.randint(2, 9)
-    each, left = rng.randint(2, 25), None
-    left = rng.randint(0, people - 1)
+    each, left = rng.randint(2, 25), rng.randint(0, people - 1)
     total = people * each + left
     text = (f"There are {total} {items} to share equally among {people} children. How many {items} does each child get, "
             f"and how many are left over? Give the number each child gets.")

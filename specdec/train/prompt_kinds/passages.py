@@ -77,7 +77,8 @@ def reference_passage(rng: random.Random, min_chars: int, max_chars: int) -> Pas
             start -= 1
         chosen: list[str] = []
         for paragraph in section.paragraphs[start:]:
-            if chosen and sum(len(p) for p in chosen) + len(paragraph) > max(want, min_chars) + 200:
+            so_far = sum(len(p) for p in chosen)
+            if so_far >= min_chars and so_far + len(paragraph) > want + 200:
                 break
             chosen.append(paragraph)
             if sum(len(p) for p in chosen) >= want:

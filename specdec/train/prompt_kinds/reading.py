@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from .passages import FIRST_NAMES, TOWNS, WEEKDAYS, any_passage, news_passage, passage_sentences, reference_passage
+from .passages import (FIRST_NAMES, TOWNS, WEEKDAYS, Passage, any_passage, news_passage, passage_sentences,
+                       reference_passage)
 
 TARGET_LANGUAGES = ("German", "French", "Spanish", "Italian", "Portuguese", "Dutch", "Polish", "Russian", "Chinese",
                     "Japanese", "Korean", "Arabic", "Turkish", "Swedish", "Hindi", "Vietnamese")
@@ -54,14 +55,21 @@ SUMMARY_TEMPLATES = (
     "{text}\n\nWrite a one-paragraph summary of the text above.", "Give me the key points of this as a bulleted list:\n\n{text}",
     "Write a headline and a one-sentence summary for this:\n\n{text}",
     "Summarise this for {audience}:\n\n{text}", "TL;DR of the following, please:\n\n{text}",
+    "Read this and tell me the three most important points:\n\n{text}", "{text}\n\nSummarize the above in one sentence.",
+    "Can you shorten this to about a third of its length without losing the key facts?\n\n{text}",
 )
-SUMMARY_AUDIENCES = ("a busy reader", "a child", "someone new to the subject", "a newsletter")
+SUMMARY_AUDIENCES = ("a busy reader", "a child", "someone new to the subject", "a newsletter", "a manager",
+                     "a slide in a presentation")
+
+
+def summarization_task(rng: random.Random) -> tuple[Passage, str]:
+    """(passage, prompt): a summary request around a reference window (1,200-4,000 characters) or a news article."""
+    passage = reference_passage(rng, 1200, 4000) if rng.random() < 0.5 else news_passage(rng)
+    return passage, rng.choice(SUMMARY_TEMPLATES).format(text=passage.text, audience=rng.choice(SUMMARY_AUDIENCES))
 
 
 def summarization_prompt(rng: random.Random) -> str:
-    """A passage and a summary request: reference windows (1,200-4,000 characters) or news articles."""
-    passage = reference_passage(rng, 1200, 4000) if rng.random() < 0.6 else news_passage(rng)
-    return rng.choice(SUMMARY_TEMPLATES).format(text=passage.text, audience=rng.choice(SUMMARY_AUDIENCES))
+    return summarization_task(rng)[1]
 
 
 TITLE_QUESTIONS = ("What do the passages say about {title}?", "According to the text, how does {title} work?",
@@ -75,8 +83,8 @@ RAG_LAYOUTS = (
 )
 
 
-def rag_prompt(rng: random.Random) -> str:
-    """2-4 passages (one holds the answer) and a question about that one."""
+def rag_task(rng: random.Random) -> tuple[list[Passage], Passage, str, str]:
+    """(passages, the one asked about, question, prompt): 2-4 passages and a question about one of them."""
     passages = [any_passage(rng, 300, 1000) for _ in range(rng.randint(2, 4))]
     gold = rng.choice(passages)
     if gold.questions:
@@ -85,5 +93,10 @@ def rag_prompt(rng: random.Random) -> str:
         question = rng.choice(TITLE_QUESTIONS).format(title=gold.title)
     blocks = "\n\n".join(f"Passage {i + 1} ({p.title}):\n{p.text}" for i, p in enumerate(passages))
     layout = rng.choice(RAG_LAYOUTS)
-    return layout.format(passages=blocks, question=question, question_lower=question[0].lower() + question[1:])
+    prompt = layout.format(passages=blocks, question=question, question_lower=question[0].lower() + question[1:])
+    return passages, gold, question, prompt
+
+
+def rag_prompt(rng: random.Random) -> str:
+    return rag_task(rng)[3]
 
