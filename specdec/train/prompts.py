@@ -213,7 +213,7 @@ def parse_mix(text: str) -> dict[str, float]:
                 raise ValueError
             mix[name.strip()] = float(weight)
         except ValueError:
-            raise ValueError(f"--prompt-mix takes KIND=WEIGHT pairs separated by commas (e.g. "
+            raise ValueError("--prompt-mix takes KIND=WEIGHT pairs separated by commas (e.g. "
                              f"conversation=0.2,math=0.1), got {part!r}") from None
     return check_mix(mix)
 

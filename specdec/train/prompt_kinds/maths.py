@@ -99,7 +99,7 @@ def average(rng):
 def rectangle(rng):
     length, width, price = rng.randint(3, 40), rng.randint(2, 30), rng.randint(2, 25)
     text = (f"A rectangular garden is {length} metres long and {width} metres wide. Turf costs {price} dollars per "
-            f"square metre. How much does it cost to cover the whole garden?")
+            "square metre. How much does it cost to cover the whole garden?")
     return MathsProblem(text, (Fraction(length), Fraction(width), Fraction(price)), Fraction(length * width * price))
 
 
@@ -141,7 +141,7 @@ def sharing(rng):
     each, left = rng.randint(2, 25), rng.randint(0, people - 1)
     total = people * each + left
     text = (f"There are {total} {items} to share equally among {people} children. How many {items} does each child get, "
-            f"and how many are left over? Give the number each child gets.")
+            "and how many are left over? Give the number each child gets.")
     return MathsProblem(text, (Fraction(total), Fraction(people)), Fraction(each))
 
 

@@ -119,7 +119,7 @@ def _council_story(rng: random.Random) -> Passage:
         f"The project is expected to cost {cost:.1f} million pounds, of which "
         f"{rng.randint(20, 80)} percent will come from a regional grant. Work is due to start in {month} {year}.",
         f"Mayor {mayor} said the decision was \"{rng.choice(('long overdue', 'a good day for the town', 'the fairest compromise on the table'))}\" "
-        f"and promised that local firms would be invited to bid for the contracts.",
+        "and promised that local firms would be invited to bid for the contracts.",
         f"Not everyone is convinced. {critic}, who leads a residents' group, warned that "
         f"{rng.choice(('the budget was likely to rise', 'parking near the site would become impossible', 'older residents had not been consulted'))} "
         f"and said the group would {rng.choice(('ask for an independent review', 'keep campaigning', 'watch the spending closely'))}.",
@@ -127,7 +127,7 @@ def _council_story(rng: random.Random) -> Passage:
         f"{rng.randint(1, 28)} {rng.choice(MONTHS)}, at {rng.randint(5, 8)} pm.",
     ]
     questions = (f"How much is the project in {town} expected to cost?", "How did the council vote?",
-                 f"Who leads the residents' group, and what did they warn about?", "When is work due to start?")
+                 "Who leads the residents' group, and what did they warn about?", "When is work due to start?")
     return Passage(f"{town} approves {project.split(' ', 1)[1]}", "\n\n".join(paragraphs), questions)
 
 
@@ -144,7 +144,7 @@ def _business_story(rng: random.Random) -> Passage:
         f"Local business leaders welcomed the news, although {rng.choice(('some neighbours', 'the farmers next to the site', 'a cycling group'))} "
         f"raised concerns about {rng.choice(('lorry traffic', 'noise at night', 'the loss of green fields'))}.",
     ]
-    questions = (f"How many jobs will the new site create?", "Who is the chief executive, and what did they say?",
+    questions = ("How many jobs will the new site create?", "Who is the chief executive, and what did they say?",
                  "How much will the company invest?", "What concerns were raised about the plans?")
     return Passage(f"{business.capitalize()} to expand in {town}", "\n\n".join(paragraphs), questions)
 
