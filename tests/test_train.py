@@ -24,7 +24,7 @@ from specdec.drafters.mtp import MTPDrafter
 from specdec.models.llama import load_native
 from specdec.train import DataSettings, TrainSettings, build_dataset, build_heads, load_checkpoint, load_samples, train
 from specdec.heads import target_description
-from specdec.train.prompts import SOURCES, PromptItem, mixed_prompts
+from specdec.train.prompts import FINITE_POOLS_MIX, SOURCES, PromptItem, mixed_prompts
 from specdec.verify import VerifyResult
 
 VOCAB = 24
@@ -104,10 +104,10 @@ def drafter_for(kind, target, checkpoint=None, heads=None, rank_acc=None, **opti
 
 # ---------------------------------------------------------------------------- prompts and data
 def test_offline_prompt_mix_is_deterministic_and_sourced():
-    prompts = mixed_prompts(60, seed=3)
-    assert prompts == mixed_prompts(60, seed=3) and prompts != mixed_prompts(60, seed=4)
+    prompts = mixed_prompts(60, seed=3, weights=FINITE_POOLS_MIX)  # the kinds' own tests: tests/test_prompts.py
+    assert prompts == mixed_prompts(60, seed=3, weights=FINITE_POOLS_MIX) and prompts != mixed_prompts(60, 4, FINITE_POOLS_MIX)
     assert len({p.text for p in prompts}) == 60
-    assert {p.source for p in prompts} == set(SOURCES)  # all three offline sources take part
+    assert {p.source for p in prompts} == set(FINITE_POOLS_MIX)  # all three finite pools take part
     assert "PSF" in SOURCES["python-docs"].licence or "Python Software Foundation" in SOURCES["python-docs"].licence
     with pytest.raises(ValueError, match="num_prompts"):
         mixed_prompts(0)

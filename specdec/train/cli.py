@@ -1,6 +1,7 @@
 """`specdec train data | medusa | mtp` (routed here by specdec.cli).
 
     specdec train data   --model smollm2-135m --out data/smollm2 --num-prompts 32 --max-new-tokens 128
+    specdec train data   --model smollm2-135m --out data/smollm2-mix --num-prompts 64 --prompt-mix conversation=0.5,math=0.5
     specdec train data   --model smollm2-135m --out data/smollm2-corpus --corpus /usr/lib/python3.11/json --max-chunks 200
     specdec train medusa --model smollm2-135m --data data/smollm2 --data data/smollm2-corpus --out ckpt/medusa --minutes 2
     specdec train mtp    --model smollm2-135m --data data/smollm2 --out ckpt/mtp --flavour sequential --minutes 2
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 from ..models.registry import DEFAULT_MODEL
+from .prompts import DEFAULT_MIX, SOURCES, parse_mix
 
 DEFAULT_MINUTES = 10.0  # when neither --steps nor --minutes is given
 # CPU defaults favour many cheap steps (measured on SmolLM2 with 2-minute runs: MTP batch 2 beat 8,
@@ -34,6 +36,17 @@ def _layer_list(raw: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--layers takes comma-separated integers like 29,30, got {raw!r}") from None
 
 
+def _prompt_mix(raw: str) -> dict[str, float]:
+    try:
+        return parse_mix(raw)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _mix_text(mix: dict[str, float]) -> str:
+    return ",".join(f"{name}={weight:g}" for name, weight in mix.items())
+
+
 def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, HF model directory, or .gguf file")
     parser.add_argument("--out", required=True, help="data directory (rerun with the same settings to resume)")
@@ -46,6 +59,10 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=0.95, help="top-p of the sampled answers")
     parser.add_argument("--shard-size", type=int, default=None, help="prompts (or corpus chunks) per shard (default 16 / 64)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-mix", type=_prompt_mix, default=None, metavar="KIND=WEIGHT,...",
+                        help="prompt kinds and their relative weights, e.g. conversation=0.2,translation=0.15,math=0.15 "
+                             f"(kinds: {', '.join(SOURCES)}; default {_mix_text(DEFAULT_MIX)}; "
+                             "resuming without it keeps the directory's own mix)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     corpus = parser.add_argument_group("teacher-forced corpus data (instead of self-distillation)")
     corpus.add_argument("--corpus", nargs="+", metavar="PATH", default=None,
@@ -154,7 +171,7 @@ def run_data(args) -> int:
         settings = DataSettings(
             num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, layers=args.layers,
             sampled_fraction=args.sampled_fraction, temperature=args.temperature, top_p=args.top_p,
-            shard_size=args.shard_size or DataSettings.shard_size, seed=args.seed,
+            shard_size=args.shard_size or DataSettings.shard_size, seed=args.seed, prompt_weights=args.prompt_mix,
         )
         manifest = build_dataset(target, args.out, settings, progress=not args.no_progress, log=log)
     shards = manifest["shards"].values()

@@ -37,7 +37,7 @@ import json
 import os
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -45,7 +45,7 @@ import torch
 from ..sampling import SamplingParams
 from ..checks import check_positive_int
 from ..heads import check_target_matches, target_description
-from .prompts import GENERATED_TEXT_LICENCE, SOURCES, PromptItem, mixed_prompts
+from .prompts import DEFAULT_MIX, GENERATED_TEXT_LICENCE, SOURCES, PromptItem, check_mix, describe_mix, mixed_prompts
 
 DATA_FORMAT = "specdec-selfdistill"
 DATA_VERSION = 1
@@ -72,7 +72,8 @@ class DataSettings:
     top_p: float = 0.95
     shard_size: int = 16  # prompts per shard
     seed: int = 0
-    prompt_weights: dict[str, float] = field(default_factory=lambda: {"self-instruct": 0.4, "python-docs": 0.3, "code-tasks": 0.3})
+    # prompt kind -> weight (prompts.SOURCES); None: DEFAULT_MIX for new data, the stored mix when resuming
+    prompt_weights: dict[str, float] | None = None
 
     def validate(self, target) -> None:
         for name in ("num_prompts", "max_new_tokens", "shard_size"):
@@ -154,6 +155,8 @@ def _open_or_create(target, out_dir: Path, settings: DataSettings, prompts: list
     if manifest_path.exists():
         manifest = read_manifest(out_dir)
         check_target_matches(manifest, target, f"data in {out_dir}")
+        if settings.prompt_weights is None:  # not asked for: resume with the directory's own mix
+            settings.prompt_weights = manifest["settings"].get("prompt_weights")
         if manifest["settings"] != asdict(settings):
             changed = {k: (manifest["settings"].get(k), v) for k, v in asdict(settings).items() if manifest["settings"].get(k) != v}
             raise ValueError(
@@ -164,8 +167,11 @@ def _open_or_create(target, out_dir: Path, settings: DataSettings, prompts: list
         if prompts is not None and [asdict(p) for p in prompts] != [asdict(p) for p in stored]:
             raise ValueError(f"{out_dir} already holds data for different prompts; choose a new --out")
         return manifest, stored
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if settings.prompt_weights is None:
+        settings.prompt_weights = dict(DEFAULT_MIX)
+    check_mix(settings.prompt_weights)
     prompts = prompts if prompts is not None else mixed_prompts(settings.num_prompts, settings.seed, settings.prompt_weights)
+    out_dir.mkdir(parents=True, exist_ok=True)
     if len(prompts) != settings.num_prompts:
         raise ValueError(f"got {len(prompts)} prompts but settings.num_prompts is {settings.num_prompts}")
     tmp = out_dir / (PROMPTS_FILE + ".tmp")
@@ -260,6 +266,7 @@ def build_dataset(
         target.check_fits(len(ids), settings.max_new_tokens)
     done = {int(k) for k, v in manifest["shards"].items() if (out_dir / v["file"]).is_file()}
     estimate = estimate_bytes([len(p) for p in prompt_ids], settings, target.hidden_size)
+    log(f"prompt mix, kind share (prompts): {describe_mix(settings.prompt_weights, prompts)}")
     log(
         f"self-distillation data: {len(prompts)} prompts in {manifest['num_shards']} shards, answers up to "
         f"{settings.max_new_tokens} tokens, layers {settings.layers} (fp16, hidden {target.hidden_size}): "
