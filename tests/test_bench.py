@@ -171,9 +171,9 @@ def test_planted_mismatch_fails_the_run(smollm2, tmp_path, capsys):
     assert f"MISMATCH: method 'lossy-test' question {question.question_id} (qa) turn 1" in err
     assert f"first difference at output position {position}" in err
     data = json.loads((tmp_path / "results.json").read_text())  # results are written before failing
-    assert data["mismatches"] == [dict(method="lossy-test", question_id=question.question_id, turn=1, position=position,
-                                       plain=plain_tokens[position], got=(plain_tokens[position] + 1) % smollm2.vocab_size,
-                                       exact=True)]
+    assert data["mismatches"] == [dict(method="lossy-test", reference="plain", question_id=question.question_id, turn=1,
+                                       position=position, plain=plain_tokens[position],
+                                       got=(plain_tokens[position] + 1) % smollm2.vocab_size, exact=True)]
     assert "FAIL" in (tmp_path / "results.md").read_text()
 
 

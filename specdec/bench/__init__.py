@@ -12,6 +12,10 @@ test or plugin registers), then among the registered specdec drafters (`make_dra
         return tokens, stats          # stats: a SpecStats or None
 
 Run it with `specdec bench --methods plain,my-method` or `run_benchmark(BenchConfig(...))`.
+
+A *peer* is a method of another library (transformers, llama.cpp) registered with the
+`PeerRuntime` that loads that library's copy of the target: the runner loads each runtime once,
+after every specdec method is done and freed, and runs its peers on it (`peers.py`).
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..sampling import SamplingParams
 from ..stats import SpecStats
+from .report import BASELINE
 
 
 @dataclass
@@ -50,24 +56,64 @@ class MethodUnavailable(Exception):
 
 
 @dataclass(frozen=True)
+class PeerSource:
+    """What a peer runtime may use of the benchmark's own target, which is freed before the peers load."""
+
+    name: str  # registry name, HF dir or .gguf path the target was loaded from
+    model_dir: Path | None  # its HF-format directory (the converted cache entry for GGUF models)
+    tokenizer: object  # specdec's tokenizer: peers see the very prompt ids specdec's methods see
+    vocab_size: int
+    eos_token_ids: list[int]
+    generation_config: object = None
+
+
+class PeerRuntime(ABC):
+    """Another library's copy of the target, shared by that library's peers (loaded once per run)."""
+
+    name: str = ""  # "transformers", "llama.cpp" (shown in the report)
+
+    def missing(self) -> str | None:
+        """Why this runtime cannot run here at all (a package not installed: how to get it), else None.
+        Checked before anything is loaded, so the user reads it at once and the other methods still run."""
+        return None
+
+    def reuses(self, target) -> bool:
+        """True when the benchmark's own target already is this runtime's kind of model."""
+        return False
+
+    @abstractmethod
+    def load(self, source: PeerSource, config):
+        """The runtime's target (has encode_prompt / decode); raises MethodUnavailable."""
+
+
+@dataclass(frozen=True)
 class MethodEntry:
     # build(target, options {key: raw string}, config) -> BenchMethod; raises MethodUnavailable
     build: Callable[..., BenchMethod]
-    peer: bool = False  # True: runs after every specdec method, on a transformers copy of the target
+    runtime: PeerRuntime | None = None  # None: a specdec method; else a peer, run on this runtime's target
     help: str = ""
+    reference: str = BASELINE  # the method whose greedy output this one is compared with, token for token
+
+    @property
+    def peer(self) -> bool:
+        return self.runtime is not None
 
 
 METHODS: dict[str, MethodEntry] = {}
 
 
-def register_method_factory(name: str, build: Callable[..., BenchMethod], peer: bool = False, help: str = "") -> None:
-    """Register `build(target, options, config) -> BenchMethod` under `name`."""
+def register_method_factory(name: str, build: Callable[..., BenchMethod], runtime: PeerRuntime | None = None,
+                            help: str = "", reference: str = BASELINE) -> None:
+    """Register `build(target, options, config) -> BenchMethod` under `name` (a peer: with its `runtime`).
+
+    `reference`: the method whose greedy output this one's is compared with (plain decoding, or a
+    peer's own plain decoding); the runner adds it to a run that lacks it."""
     if not name or ":" in name or "," in name:
         raise ValueError(f"method name must be non-empty without ':' or ',', got {name!r}")
     existing = METHODS.get(name)
     if existing is not None and existing.build is not build:
         raise ValueError(f"a bench method named {name!r} is already registered")
-    METHODS[name] = MethodEntry(build, peer, help)
+    METHODS[name] = MethodEntry(build, runtime, help, reference)
 
 
 def unregister_method(name: str) -> None:
@@ -105,7 +151,7 @@ def register_method(name: str, fn: Callable | None = None, exact: bool = True, h
         existing = METHODS.get(name)
         if existing is not None and getattr(existing.build, "wraps", None) is function:
             return function
-        register_method_factory(name, build, peer=False, help=help)
+        register_method_factory(name, build, help=help)
         return function
 
     return decorate(fn) if fn is not None else decorate
@@ -115,6 +161,7 @@ def register_method(name: str, fn: Callable | None = None, exact: bool = True, h
 from .runner import BenchConfig, add_bench_arguments, run_bench, run_benchmark  # noqa: E402
 
 __all__ = [
-    "METHODS", "BenchConfig", "BenchMethod", "MethodEntry", "MethodOutput", "MethodUnavailable", "add_bench_arguments",
+    "METHODS", "BenchConfig", "BenchMethod", "MethodEntry", "MethodOutput", "MethodUnavailable", "PeerRuntime",
+    "PeerSource", "add_bench_arguments",
     "register_method", "register_method_factory", "run_bench", "run_benchmark", "unregister_method",
 ]

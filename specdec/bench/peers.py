@@ -1,25 +1,34 @@
-"""Peers: transformers' own decoding methods on the same converted model and the same prompts.
+"""Peers: other libraries' decoding methods on the same model, the same prompt ids and token budget.
 
-    hf-plain     model.generate (greedy / sampling), the transformers baseline
-    hf-assisted  assisted generation with a draft model (`assistant_model=`), same draft as small-model
-    hf-pld       prompt lookup decoding (`prompt_lookup_num_tokens=`)
+    hf-plain      model.generate (greedy / sampling), the transformers baseline
+    hf-assisted   assisted generation with a draft model (`assistant_model=`), same draft as small-model
+    hf-pld        prompt lookup decoding (`prompt_lookup_num_tokens=`)
+    llama-plain   llama.cpp (llama-cpp-python) decoding the target's GGUF file as it is (quantized)
+    llama-lookup  llama-cpp-python's prompt lookup (`draft_model=LlamaPromptLookupDecoding(...)`)
 
-They run on an `HFTarget` (AutoModelForCausalLM from `target.model_dir`, float32) that the runner
-loads after every specdec method is done and freed, so the native and transformers copies of a
-large target are never in memory together. Peers count target forward calls with a forward hook,
-so their tau is "tokens per target forward" (the first forward, which also reads the prompt,
-included). Their greedy output is compared with specdec's plain decoding too, but a mismatch is
-only a warning: transformers runs a different float path (sdpa, fused ops) than the native runtime.
+Each peer is registered with the `PeerRuntime` that loads its library's copy of the target:
+`TRANSFORMERS` (an `HFTarget`, AutoModelForCausalLM from `target.model_dir`, float32) or
+`LLAMA_CPP` (the registry's GGUF file, `locate_gguf`). The runner loads a runtime after every
+specdec method is done and freed, so two copies of a large target are never in memory together.
+Prompts are encoded by specdec's tokenizer and chat template and handed to every peer as token
+ids. Peers count target forwards (a forward hook; llama.cpp eval calls), so their tau is "tokens
+per target forward", the first forward, which also reads the prompt, included. Their greedy output
+is compared with their reference (specdec's plain decoding; for llama-lookup llama-plain), but a
+mismatch is only a warning: another library runs another float path (transformers: sdpa, fused
+ops; llama.cpp: quantized weights with int8-quantized activations, batch-size-dependent kernels).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
-from . import BenchMethod, MethodOutput, MethodUnavailable, register_method_factory
+from . import BenchMethod, MethodOutput, MethodUnavailable, PeerRuntime, PeerSource, register_method_factory
+from ..models.base import Target
 
 # option name -> type, per peer (parsed from `hf-pld:prompt_lookup_num_tokens=5`)
 ASSISTED_OPTIONS = {
@@ -117,6 +126,27 @@ class HFGenerateMethod(BenchMethod):
         self.target = self.model = self.assistant = None
 
 
+class TransformersRuntime(PeerRuntime):
+    """transformers' AutoModelForCausalLM on the target's HF-format directory (float32 unless --dtype)."""
+
+    name = "transformers"
+
+    def reuses(self, target) -> bool:
+        from ..models.hf import HFTarget
+
+        return isinstance(target, HFTarget)
+
+    def load(self, source: PeerSource, config):
+        from ..models.hf import HFTarget
+
+        if source.model_dir is None:
+            raise MethodUnavailable("the target has no HF model directory to load with transformers")
+        return HFTarget.from_dir(source.model_dir, dtype=config.dtype, name=source.name)
+
+
+TRANSFORMERS = TransformersRuntime()
+
+
 def _build_hf_plain(target, options: dict, config) -> BenchMethod:
     parse_options("hf-plain", options, {})
     return HFGenerateMethod(target, target.eos_token_ids, {}, "transformers generate()")
@@ -152,6 +182,161 @@ def _build_hf_assisted(target, options: dict, config) -> BenchMethod:
     )
 
 
-register_method_factory("hf-plain", _build_hf_plain, peer=True, help="transformers generate()")
-register_method_factory("hf-assisted", _build_hf_assisted, peer=True, help="transformers assisted generation (draft model)")
-register_method_factory("hf-pld", _build_hf_pld, peer=True, help="transformers prompt lookup decoding")
+register_method_factory("hf-plain", _build_hf_plain, TRANSFORMERS, help="transformers generate()")
+register_method_factory("hf-assisted", _build_hf_assisted, TRANSFORMERS, help="transformers assisted generation (draft model)")
+register_method_factory("hf-pld", _build_hf_pld, TRANSFORMERS, help="transformers prompt lookup decoding")
+
+
+# ============================================================================ llama.cpp
+
+LLAMA_CPP_VERSION = "0.3.36"  # = pyproject's `peers` extra
+LLAMA_CPP_INSTALL = (f"llama-cpp-python is not installed: get it with `pip install 'specdec[peers]'` "
+                     f"(llama-cpp-python=={LLAMA_CPP_VERSION}; it compiles llama.cpp from source, several minutes)")
+LLAMA_OPTIONS = {"n_ctx": int, "threads": int}
+LLAMA_LOOKUP_OPTIONS = {**LLAMA_OPTIONS, "num_pred_tokens": int, "max_ngram_size": int}
+DEFAULT_LLAMA_CTX = 4096  # KV cache positions: prompt + new tokens must fit (the longest Spec-Bench prompt: ~1.9k)
+DEFAULT_LOOKUP_NGRAM = 2  # LlamaPromptLookupDecoding's own default
+
+
+def machine_cores() -> int:
+    """The cores this process may run on: llama.cpp's thread count, for decoding and for the prompt."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def gguf_file_of(source: PeerSource, progress: bool = True) -> Path:
+    """The GGUF file the benchmark target was converted from: a registry model's verified file
+    (`locate_gguf`, assembled in the cache for multi-part models) or the .gguf path it was loaded from."""
+    from ..models.registry import MODELS, locate_gguf
+
+    if source.name in MODELS:
+        try:
+            return locate_gguf(MODELS[source.name], progress=progress)
+        except (FileNotFoundError, ValueError) as error:
+            raise MethodUnavailable(f"no GGUF file for {source.name!r}: {error}") from None
+    path = Path(source.name).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return path
+    raise MethodUnavailable(f"target {source.name!r} is not a GGUF model (a registry name or a .gguf file): "
+                            "llama.cpp peers run the GGUF file itself")
+
+
+class LlamaCppTarget:
+    """What llama.cpp peers run on: the GGUF file, plus specdec's own tokenizer so that the runner
+    encodes prompts (chat template included) exactly as for specdec's methods; llama.cpp gets ids."""
+
+    encode_prompt = Target.encode_prompt  # the same prompt code as every specdec target
+    decode = Target.decode
+
+    def __init__(self, gguf_path: Path, source: PeerSource):
+        self.gguf_path, self.name = gguf_path, source.name
+        self.tokenizer, self.vocab_size = source.tokenizer, source.vocab_size
+        self.eos_token_ids = list(source.eos_token_ids)
+
+    def new_llama(self, n_ctx: int, threads: int, draft_model=None):
+        """A llama_cpp.Llama on the file (weights are mmapped: two instances share one copy in memory)."""
+        from llama_cpp import Llama
+
+        # with a draft model every position's logits are kept: the buffer must then hold n_ctx rows
+        # (llama-cpp-python sizes it from the logits_all argument, not from draft_model)
+        return Llama(model_path=str(self.gguf_path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                     draft_model=draft_model, logits_all=draft_model is not None, verbose=False)
+
+
+class LlamaCppRuntime(PeerRuntime):
+    """llama.cpp through llama-cpp-python, on the GGUF file the target was converted from."""
+
+    name = "llama.cpp"
+
+    def missing(self) -> str | None:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            return LLAMA_CPP_INSTALL
+        except OSError as error:  # installed, but its shared library does not load
+            return f"llama-cpp-python is installed but does not load ({error}); reinstall it: pip install 'specdec[peers]'"
+        return None
+
+    def load(self, source: PeerSource, config) -> LlamaCppTarget:
+        return LlamaCppTarget(gguf_file_of(source, progress=config.progress), source)
+
+
+LLAMA_CPP = LlamaCppRuntime()
+
+
+class LlamaCppMethod(BenchMethod):
+    """`Llama.generate` on specdec's prompt ids, stopped at specdec's EOS ids or the token budget."""
+
+    exact = False  # another library's arithmetic: a mismatch with the reference is a warning
+
+    def __init__(self, llama, eos_ids: list[int], description: str):
+        self.llama, self.eos_ids, self.description = llama, set(eos_ids), description
+        self.forwards = 0
+        generate_eval = llama.eval
+
+        def counted_eval(tokens):  # one call = one forward over the new (prompt or drafted) tokens
+            self.forwards += 1
+            return generate_eval(tokens)
+
+        llama.eval = counted_eval  # Llama.generate calls self.eval: count target forwards like the hf hook
+
+    def generate(self, prompt_ids, max_new_tokens, sampling) -> MethodOutput:
+        prompt_ids = [int(t) for t in prompt_ids]
+        n_ctx, n_vocab = self.llama.n_ctx(), self.llama.n_vocab()
+        if len(prompt_ids) + max_new_tokens > n_ctx:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceed llama.cpp's "
+                             f"context of {n_ctx}: pass a larger n_ctx (e.g. llama-plain:n_ctx=8192)")
+        if max(prompt_ids) >= n_vocab:
+            raise ValueError(f"prompt id {max(prompt_ids)} is outside llama.cpp's vocabulary of {n_vocab}")
+        if sampling.greedy:
+            sampler = dict(temp=0.0)
+        else:  # llama.cpp's order: top-k, top-p, then temperature (peers are not compared when sampling)
+            sampler = dict(temp=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, min_p=0.0)
+            if sampling.seed is not None:
+                self.llama.set_seed(sampling.seed)
+        # forget the previous prompt: no KV prefix reuse, every call reads its whole prompt (as specdec's methods do)
+        self.llama.reset()
+        self.forwards = 0
+        tokens: list[int] = []
+        for token in self.llama.generate(prompt_ids, reset=True, **sampler):
+            tokens.append(int(token))
+            if token in self.eos_ids or len(tokens) >= max_new_tokens:
+                break
+        return MethodOutput(tokens, None, self.forwards)
+
+    def close(self) -> None:
+        if self.llama is not None:
+            self.llama.close()
+        self.llama = None
+
+
+def _llama_settings(method: str, options: dict, allowed: dict) -> dict:
+    parsed = {"n_ctx": DEFAULT_LLAMA_CTX, "threads": machine_cores(), **parse_options(method, options, allowed)}
+    for key, value in parsed.items():
+        if value < 1:
+            raise ValueError(f"method {method!r}: option {key}={value} must be >= 1")
+    return parsed
+
+
+def _build_llama_plain(target: LlamaCppTarget, options: dict, config) -> BenchMethod:
+    settings = _llama_settings("llama-plain", options, LLAMA_OPTIONS)
+    llama = target.new_llama(settings["n_ctx"], settings["threads"])
+    return LlamaCppMethod(llama, target.eos_token_ids, f"llama.cpp plain decoding of {target.gguf_path.name} "
+                                                       f"({settings['threads']} threads)")
+
+
+def _build_llama_lookup(target: LlamaCppTarget, options: dict, config) -> BenchMethod:
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    settings = {"num_pred_tokens": DEFAULT_PROMPT_LOOKUP_TOKENS, "max_ngram_size": DEFAULT_LOOKUP_NGRAM,
+                **_llama_settings("llama-lookup", options, LLAMA_LOOKUP_OPTIONS)}
+    draft = LlamaPromptLookupDecoding(max_ngram_size=settings["max_ngram_size"], num_pred_tokens=settings["num_pred_tokens"])
+    llama = target.new_llama(settings["n_ctx"], settings["threads"], draft_model=draft)
+    return LlamaCppMethod(llama, target.eos_token_ids, f"llama.cpp prompt lookup (num_pred_tokens="
+                                                       f"{settings['num_pred_tokens']}, max_ngram_size="
+                                                       f"{settings['max_ngram_size']}, {settings['threads']} threads)")
+
+
+register_method_factory("llama-plain", _build_llama_plain, LLAMA_CPP,
+                        help="llama.cpp (llama-cpp-python) plain decoding of the target's GGUF file")
+register_method_factory("llama-lookup", _build_llama_lookup, LLAMA_CPP, reference="llama-plain",
+                        help="llama.cpp prompt lookup (LlamaPromptLookupDecoding), compared with llama-plain")

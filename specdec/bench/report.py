@@ -6,7 +6,9 @@ Metrics (Spec-Bench):
   * speedup = a method's mean tokens/s / plain decoding's mean tokens/s in the SAME run
     (per task kind, and overall);
   * tau = tokens emitted per verify step, pooled over the questions (SpecStats: accepted + bonus);
-    for transformers peers, tokens per target forward (forward calls counted with a hook).
+    for peers, tokens per target forward (transformers forward calls, llama.cpp eval calls);
+  * output check: each method's greedy output vs its reference's (plain decoding; for llama-lookup
+    llama.cpp's own plain decoding), question by question and turn by turn.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def method_summary_rows(rows: Sequence[dict], methods: Sequence[dict], kinds: Se
     for info in methods:
         label = info["label"]
         entry = {key: info[key] for key in ("status", "reason", "exact", "peer", "description")}
+        entry["reference"] = info.get("reference", BASELINE)
         method_rows = by_method.get(label, [])
         if info["status"] == "ok":
             cells = {kind: _cell([r for r in method_rows if r["task_kind"] == kind]) for kind in kinds}
@@ -119,14 +122,26 @@ def _format_cell(cell: dict) -> str:
 
 
 def _output_check(label: str, entry: dict, greedy: bool) -> str:
-    if label == BASELINE:
+    reference = entry["reference"]
+    if label == reference:
         return "reference"
     if not greedy:
         return "not checked (sampling)"
     if entry["mismatches"]:
         verdict = "FAIL" if entry["exact"] else "warning"
-        return f"{verdict}: {entry['mismatches']}/{entry['checked']} differ"
-    return f"= plain ({entry['checked']} outputs)"
+        return f"{verdict}: {entry['mismatches']}/{entry['checked']} differ from {reference}"
+    return f"= {reference} ({entry['checked']} outputs)"
+
+
+def _speed_vs_own_reference(label: str, entry: dict, methods: dict) -> str | None:
+    """'llama-lookup: 0.45x the tokens/s of llama-plain' for a method whose reference is not plain."""
+    reference = methods.get(entry["reference"])
+    if entry["reference"] in (label, BASELINE) or not reference or reference["status"] != "ok":
+        return None
+    mine, theirs = entry["overall"]["tokens_per_s"], reference["overall"]["tokens_per_s"]
+    if mine is None or not theirs:
+        return None
+    return f"{label}: {mine / theirs:.2f}x the tokens/s of its reference {entry['reference']} (overall)."
 
 
 def markdown_table(summary: dict, config: dict) -> str:
@@ -141,10 +156,10 @@ def markdown_table(summary: dict, config: dict) -> str:
         "",
         "Speedup vs specdec plain decoding in the same run (mean tokens/s per question), τ in parentheses.",
         "",
-        "| method | " + " | ".join(TASK_KIND_TITLES[k] for k in kinds) + " | Overall | tokens/s | output vs plain |",
+        "| method | " + " | ".join(TASK_KIND_TITLES[k] for k in kinds) + " | Overall | tokens/s | output vs reference |",
         "|---|" + "---|" * (len(kinds) + 3),
     ]
-    notes = []
+    notes, own_speed = [], []
     for label, entry in summary["methods"].items():
         if entry["status"] != "ok":
             lines.append(f"| {label} | " + " | ".join("n/a" for _ in kinds) + f" | n/a | n/a | {entry['status']}: {entry['reason']} |")
@@ -155,11 +170,14 @@ def markdown_table(summary: dict, config: dict) -> str:
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {speed_text} | {_output_check(label, entry, greedy)} |")
         if entry["peer"]:
             notes.append(label)
+        own_speed.append(_speed_vs_own_reference(label, entry, summary["methods"]))
     lines.append("")
     lines.append("τ = mean tokens per verify step (accepted draft tokens + the bonus/correction token).")
     if notes:
-        lines.append(f"For transformers peers ({', '.join(notes)}) τ = tokens per target forward; their output "
-                     "is compared with plain decoding as a warning only (a different float path).")
+        lines.append(f"For peers ({', '.join(notes)}) τ = tokens per target forward (a transformers forward call, a "
+                     "llama.cpp eval call); a peer's output differing from its reference is a warning only (another "
+                     "library's arithmetic).")
+    lines.extend(note for note in own_speed if note)
     return "\n".join(lines)
 
 
@@ -256,10 +274,10 @@ def write_reports(out_dir: Path, config: dict, rows: list[dict], methods: list[d
     (out_dir / "results.json").write_text(json.dumps(document, indent=1, default=str))
     markdown = markdown_table(summary, config)
     if mismatches:
-        markdown += "\n\nOutputs that differ from plain decoding (first differing output position):\n\n"
+        markdown += "\n\nOutputs that differ from their reference (first differing output position):\n\n"
         markdown += "\n".join(
             f"- {'FAIL' if m['exact'] else 'warning'}: {m['method']} question {m['question_id']} turn {m['turn']} "
-            f"position {m['position']}: plain {m['plain']} vs {m['got']}" for m in mismatches
+            f"position {m['position']}: {m.get('reference', BASELINE)} {m['plain']} vs {m['got']}" for m in mismatches
         )
     (out_dir / "results.md").write_text(markdown + "\n")
     write_plots(summary, out_dir)

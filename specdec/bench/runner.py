@@ -6,9 +6,12 @@ Order of work:
        output): build each and run one untimed warm-up, then question by question every method
        in turn (interleaved, so machine drift hits all alike; both turns for multi-turn
        questions; turn 2 follows the method's own turn-1 answer, as in Spec-Bench)
-    3. free them, load the transformers copy of the target, phase 2: the peers (`hf-*`), interleaved the same way
-    4. greedy runs: every output is compared with plain decoding, question by question and turn
-       by turn; a specdec method that differs fails the run (exit code 1), a peer only warns
+    3. free them; phase 2, the peers, one runtime at a time: load its copy of the target (a
+       transformers model for `hf-*`, llama.cpp on the GGUF file for `llama-*`), run its peers
+       interleaved the same way, free it
+    4. greedy runs: every output is compared with its method's reference (plain decoding; for
+       llama-lookup llama.cpp's own plain decoding), question by question and turn by turn; a
+       specdec method that differs fails the run (exit code 1), a peer only warns
     5. results.json, results.md and PNG plots in --out; the Markdown table is printed
 """
 
@@ -23,8 +26,8 @@ import traceback
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from . import METHODS, BenchMethod, MethodEntry, MethodOutput, MethodUnavailable, register_method_factory
-from . import peers as _peers  # noqa: F401  (registers the hf-* methods)
+from . import METHODS, BenchMethod, MethodEntry, MethodOutput, MethodUnavailable, PeerSource, register_method_factory
+from . import peers as _peers  # noqa: F401  (registers the hf-* and llama-* methods)
 from .questions import TASK_KINDS, Question, default_questions_path, load_questions, select_questions
 from .report import BASELINE, method_summary_rows, write_reports
 from ..budget import budget_policy_for, parse_gamma
@@ -32,7 +35,7 @@ from ..loop import run as run_loop
 from ..models.registry import DEFAULT_MODEL
 from ..sampling import SamplingParams
 
-DEFAULT_METHODS = "plain,pld,suffix,lookahead,small-model,hf-plain,hf-assisted,hf-pld"
+DEFAULT_METHODS = "plain,pld,suffix,lookahead,small-model,hf-plain,hf-assisted,hf-pld"  # llama-*: opt in (an extra)
 QUICK_LIMIT_PER_KIND = 3
 DEFAULT_MAX_NEW_TOKENS = 128
 WARMUP_TOKENS = 16
@@ -154,7 +157,7 @@ def _drafter_entry(name: str) -> MethodEntry | None:
         settings = ", ".join(f"{k}={v}" for k, v in typed.items())
         return SpecdecMethod(target, drafter, config.gamma, f"{summary}{f' ({settings})' if settings else ''}")
 
-    return MethodEntry(build, peer=False, help=(drafter_class.__doc__ or "").strip())
+    return MethodEntry(build, help=(drafter_class.__doc__ or "").strip())
 
 
 def resolve_method(name: str) -> MethodEntry:
@@ -171,6 +174,37 @@ def resolve_method(name: str) -> MethodEntry:
 # ============================================================================ running
 
 
+def _add_references(specs: list[MethodSpec], entries: dict[str, MethodEntry]) -> None:
+    """Add every method's reference (llama-lookup's is llama-plain) that the run does not list."""
+    index = 0
+    while index < len(specs):
+        reference = entries[specs[index].label].reference
+        if reference not in {spec.name for spec in specs}:
+            added = MethodSpec.parse(reference)
+            specs.append(added)
+            entries[added.label] = resolve_method(added.name)
+        index += 1
+
+
+def _reference_labels(specs: list[MethodSpec], entries: dict[str, MethodEntry]) -> dict[str, str]:
+    """method label -> the label of the method its greedy output is compared with."""
+    first_with_name: dict[str, str] = {}
+    for spec in specs:
+        first_with_name.setdefault(spec.name, spec.label)
+    return {spec.label: first_with_name[entries[spec.label].reference] for spec in specs}
+
+
+def _peer_groups(specs: list[MethodSpec], entries: dict[str, MethodEntry], target) -> list[tuple]:
+    """[(runtime, its peer specs)] in run order; runtimes that reuse the benchmark's target go first
+    (while it is still loaded)."""
+    groups: dict = {}
+    for spec in specs:
+        runtime = entries[spec.label].runtime
+        if runtime is not None:
+            groups.setdefault(runtime, []).append(spec)
+    return sorted(groups.items(), key=lambda item: not item[0].reuses(target))
+
+
 def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
     """Run the benchmark; pass an already loaded `target` to skip loading `config.target`."""
     specs = [MethodSpec.parse(text) for text in config.methods if text.strip()]
@@ -183,11 +217,17 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
         raise ValueError(f"max_new_tokens must be >= 1, got {config.max_new_tokens}")
     parse_gamma(config.gamma)
     entries = {spec.label: resolve_method(spec.name) for spec in specs}  # unknown names fail before loading
-    specs.sort(key=lambda spec: (entries[spec.label].peer, spec.label != BASELINE))  # plain, specdec..., peers
+    _add_references(specs, entries)
+    references = {entry.reference for entry in entries.values()}
+    # plain first, then specdec methods, then peers; references before the methods compared with them
+    specs.sort(key=lambda spec: (entries[spec.label].peer, spec.name not in references))
+    order = {spec.label: index for index, spec in enumerate(specs)}
     sampling = config.sampling()  # validates temperature / top-k / top-p
     questions_path = Path(config.questions_path) if config.questions_path else default_questions_path()
     questions = select_questions(load_questions(questions_path), config.limit_per_kind, config.task_kinds)
     out_dir = Path(config.out_dir) if config.out_dir else Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
+    run = _Run(config, questions, sampling, _reference_labels(specs, entries))
+    specs = run.drop_missing_runtimes(specs, entries)  # a peer library not installed: say so now, run the rest
 
     owns_target = target is None
     if owns_target:
@@ -197,30 +237,30 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
     target.check_fits(1, config.max_new_tokens)  # the size rule, before any method runs (each prompt is checked too)
     if config.draft_model is None:  # a copy: the caller's config is left as given
         config = replace(config, draft_model=DEFAULT_DRAFT_FOR_TARGET.get(config.target if owns_target else str(target.name)))
-    run = _Run(config, questions, sampling)
+    run.config = config
 
     run.methods_on([s for s in specs if not entries[s.label].peer], entries, target)  # plain first: the reference
     model_dir, target_name = getattr(target, "model_dir", None), str(target.name)
-    peer_specs = [s for s in specs if entries[s.label].peer]
-    if peer_specs:
-        from ..models.hf import HFTarget
-
-        peer_target, reason = (target, None) if isinstance(target, HFTarget) else (None, None)
-        if peer_target is None:
-            if owns_target:
-                del target  # never hold the native and the transformers copy of a large target together
-                gc.collect()
-            if model_dir is None:
-                reason = "the target has no HF model directory to load with transformers"
-            else:
-                peer_target = HFTarget.from_dir(model_dir, dtype=config.dtype, name=target_name)
-        if peer_target is None:
-            for spec in peer_specs:
-                run.unavailable(spec, entries[spec.label], reason)
-        else:
-            run.methods_on(peer_specs, entries, peer_target)
-        peer_target = None
-        gc.collect()
+    source = PeerSource(name=target_name, model_dir=model_dir, tokenizer=target.tokenizer, vocab_size=target.vocab_size,
+                        eos_token_ids=list(target.eos_token_ids), generation_config=getattr(target, "generation_config", None))
+    for runtime, group in _peer_groups(specs, entries, target):
+        if target is not None and runtime.reuses(target):
+            run.methods_on(group, entries, target)
+            continue
+        if owns_target:
+            target = None  # never hold the native copy and a peer's copy of a large target together
+            gc.collect()
+        try:
+            peer_target = runtime.load(source, config)
+        except MethodUnavailable as why:
+            run.unavailable(group, entries, str(why))
+            continue
+        try:
+            run.methods_on(group, entries, peer_target)
+        finally:
+            peer_target = None
+            gc.collect()
+    run.methods.sort(key=lambda record: order[record["label"]])
 
     config_record = {
         **asdict(config),
@@ -248,24 +288,41 @@ def _environment() -> dict:
     import torch
     import transformers
 
+    llama_cpp = sys.modules.get("llama_cpp")  # imported only when a llama-* peer ran
     return {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+            "llama_cpp": getattr(llama_cpp, "__version__", None),
             "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 class _Run:
     """Per-turn rows, method records and mismatches of one benchmark run."""
 
-    def __init__(self, config: BenchConfig, questions: list[Question], sampling: SamplingParams):
+    def __init__(self, config: BenchConfig, questions: list[Question], sampling: SamplingParams,
+                 reference_of: dict[str, str]):
         self.config, self.questions, self.sampling = config, questions, sampling
+        self.reference_of = reference_of  # method label -> its reference's label
         self.rows: list[dict] = []
         self.methods: list[dict] = []
         self.mismatches: list[dict] = []
-        self.reference: dict[tuple, list[int]] = {}  # (question_id, turn) -> plain decoding's tokens
+        self.outputs: dict[tuple, list[int]] = {}  # (method label, question_id, turn) -> its tokens (greedy)
 
-    def unavailable(self, spec: MethodSpec, entry: MethodEntry, reason: str) -> None:
-        print(f"n/a: {spec.label}: {reason}", file=sys.stderr)
-        self.methods.append(dict(label=spec.label, status="n/a", reason=reason, exact=not entry.peer,
-                                 peer=entry.peer, description=entry.help.splitlines()[0] if entry.help else ""))
+    def unavailable(self, specs: list[MethodSpec], entries: dict[str, MethodEntry], reason: str) -> None:
+        """Record methods that cannot run here, with ONE line for all of them (they share the reason)."""
+        print(f"n/a: {', '.join(spec.label for spec in specs)}: {reason}", file=sys.stderr)
+        for spec in specs:
+            entry = entries[spec.label]
+            self.methods.append(dict(label=spec.label, status="n/a", reason=reason, exact=not entry.peer,
+                                     peer=entry.peer, reference=self.reference_of[spec.label],
+                                     description=entry.help.splitlines()[0] if entry.help else ""))
+
+    def drop_missing_runtimes(self, specs: list[MethodSpec], entries: dict[str, MethodEntry]) -> list[MethodSpec]:
+        """Report the peers whose runtime is not installed as n/a (one line per runtime); the rest run."""
+        for runtime, group in _peer_groups(specs, entries, None):
+            reason = runtime.missing()
+            if reason:
+                self.unavailable(group, entries, reason)
+        reported = {record["label"] for record in self.methods}
+        return [spec for spec in specs if spec.label not in reported]
 
     def methods_on(self, specs: list[MethodSpec], entries: dict[str, MethodEntry], target) -> None:
         """Run methods that share one target INTERLEAVED: every method answers question 1, then
@@ -298,10 +355,10 @@ class _Run:
         try:
             method = entry.build(target, dict(spec.options), self.config)
         except MethodUnavailable as why:
-            self.unavailable(spec, entry, str(why))
+            self.unavailable([spec], {spec.label: entry}, str(why))
             return None
         record = dict(label=spec.label, status="ok", reason=None, exact=method.exact, peer=entry.peer,
-                      description=method.description)
+                      reference=self.reference_of[spec.label], description=method.description)
         self.methods.append(record)
         try:
             if self.config.warmup:  # first calls pay for lazy init / allocator growth: not timed
@@ -345,21 +402,22 @@ class _Run:
             seconds=seconds, tokens_per_s=len(tokens) / seconds if seconds > 0 else None, tau=tau,
             tau_steps=steps, tau_tokens=step_tokens, target_forwards=output.target_forwards,
             stats=stats.to_dict() if stats is not None else None, tokens=tokens,
-            matches_plain=None, first_mismatch=None,
+            reference=self.reference_of[label], matches_plain=None, first_mismatch=None,
         )
         self._check(row, method.exact)
         return row
 
     def _check(self, row: dict, exact: bool) -> None:
-        """Greedy: compare with plain decoding's tokens for the same question and turn."""
+        """Greedy: compare with the reference method's tokens for the same question and turn
+        (`matches_plain`: plain decoding's for most methods, llama-plain's for llama-lookup)."""
         if not self.sampling.greedy:
             return
-        key = (row["question_id"], row["turn"])
-        if row["method"] == BASELINE:
-            self.reference[key] = row["tokens"]
+        label, reference_label = row["method"], row["reference"]
+        self.outputs[(label, row["question_id"], row["turn"])] = row["tokens"]
+        if label == reference_label:
             row["matches_plain"] = True
             return
-        reference = self.reference.get(key)
+        reference = self.outputs.get((reference_label, row["question_id"], row["turn"]))
         if reference is None:
             return
         position = _first_difference(reference, row["tokens"])
@@ -369,11 +427,11 @@ class _Run:
         row["first_mismatch"] = position
         expected = reference[position] if position < len(reference) else "<end>"
         got = row["tokens"][position] if position < len(row["tokens"]) else "<end>"
-        self.mismatches.append(dict(method=row["method"], question_id=row["question_id"], turn=row["turn"],
-                                    position=position, plain=expected, got=got, exact=exact))
-        level = "MISMATCH" if exact else "WARNING (peer differs from plain)"
-        print(f"{level}: method {row['method']!r} question {row['question_id']} ({row['category']}) turn {row['turn']}: "
-              f"first difference at output position {position}: plain {expected} vs {got}", file=sys.stderr)
+        self.mismatches.append(dict(method=label, reference=reference_label, question_id=row["question_id"],
+                                    turn=row["turn"], position=position, plain=expected, got=got, exact=exact))
+        level = "MISMATCH" if exact else f"WARNING (peer differs from {reference_label})"
+        print(f"{level}: method {label!r} question {row['question_id']} ({row['category']}) turn {row['turn']}: "
+              f"first difference at output position {position}: {reference_label} {expected} vs {got}", file=sys.stderr)
 
 
 def _first_difference(expected: list[int], got: list[int]) -> int | None:
