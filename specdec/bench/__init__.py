@@ -63,8 +63,7 @@ class PeerSource:
     model_dir: Path | None  # its HF-format directory (the converted cache entry for GGUF models)
     tokenizer: object  # specdec's tokenizer: peers see the very prompt ids specdec's methods see
     vocab_size: int
-    eos_token_ids: list[int]
-    generation_config: object = None
+    eos_token_ids: list[int]  # what ends a generation, for every method alike
 
 
 class PeerRuntime(ABC):

@@ -242,7 +242,7 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
     run.methods_on([s for s in specs if not entries[s.label].peer], entries, target)  # plain first: the reference
     model_dir, target_name = getattr(target, "model_dir", None), str(target.name)
     source = PeerSource(name=target_name, model_dir=model_dir, tokenizer=target.tokenizer, vocab_size=target.vocab_size,
-                        eos_token_ids=list(target.eos_token_ids), generation_config=getattr(target, "generation_config", None))
+                        eos_token_ids=list(target.eos_token_ids))
     for runtime, group in _peer_groups(specs, entries, target):
         if target is not None and runtime.reuses(target):
             run.methods_on(group, entries, target)
@@ -470,7 +470,8 @@ class _progress:
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=DEFAULT_METHODS,
-                        help="comma-separated: plain, drafter names (`specdec drafters`), hf-plain, hf-assisted, hf-pld; "
+                        help="comma-separated: plain, drafter names (`specdec drafters`), hf-plain, hf-assisted, hf-pld, "
+                             "llama-plain, llama-lookup (llama.cpp: pip install 'specdec[peers]'); "
                              "options as NAME:KEY=VALUE:KEY=VALUE (default: %(default)s)")
     parser.add_argument("--target", default=DEFAULT_MODEL, help="target model: registry name, HF dir or .gguf")
     parser.add_argument("--draft-model", default=None,
