@@ -194,7 +194,7 @@ LLAMA_CPP_INSTALL = (f"llama-cpp-python is not installed: get it with `pip insta
                      f"(llama-cpp-python=={LLAMA_CPP_VERSION}; it compiles llama.cpp from source, several minutes)")
 LLAMA_OPTIONS = {"n_ctx": int, "threads": int}
 LLAMA_LOOKUP_OPTIONS = {**LLAMA_OPTIONS, "num_pred_tokens": int, "max_ngram_size": int}
-DEFAULT_LLAMA_CTX = 4096  # KV cache positions: prompt + new tokens must fit (the longest Spec-Bench prompt: ~1.9k)
+DEFAULT_LLAMA_CTX = 4096  # KV positions for prompt + new tokens (longest Spec-Bench first turn: 1473 Qwen tokens)
 DEFAULT_LOOKUP_NGRAM = 2  # LlamaPromptLookupDecoding's own default
 
 
