@@ -275,7 +275,7 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
     markdown = write_reports(out_dir, config_record, run.rows, run.methods, summary, run.mismatches)
     failed = [m for m in run.mismatches if m["exact"]]
     if failed:
-        print(f"FAILED: {len(failed)} output(s) of specdec methods differ from plain decoding (see above)", file=sys.stderr)
+        print(f"FAILED: {len(failed)} output(s) of specdec methods differ from their reference (see above)", file=sys.stderr)
     errors = [m["label"] for m in run.methods if m["status"] == "error"]
     if errors:
         print(f"FAILED: method(s) {', '.join(errors)} raised an error (see above)", file=sys.stderr)
