@@ -40,6 +40,16 @@ def _source(target) -> PeerSource:
 
 
 @pytest.fixture
+def llama_cpp():
+    """llama-cpp-python, or a skip: not installed, or a build the bench refuses (LLAMA_CPP.missing says why)."""
+    module = pytest.importorskip("llama_cpp")
+    reason = LLAMA_CPP.missing()
+    if reason:
+        pytest.skip(reason)
+    return module
+
+
+@pytest.fixture
 def without_llama_cpp(monkeypatch):
     """llama-cpp-python made unimportable (None in sys.modules: Python's own way to block an import)."""
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
@@ -137,8 +147,7 @@ def test_a_method_is_compared_with_its_own_reference(smollm2, tmp_path, one_ques
 # ---------------------------------------------------------------------------- llama.cpp (optional extra)
 
 
-def test_llama_peers_on_smollm2(smollm2, tmp_path, one_question):
-    pytest.importorskip("llama_cpp")
+def test_llama_peers_on_smollm2(llama_cpp, smollm2, tmp_path, one_question):
     result = run_benchmark(_config(tmp_path, one_question, ["plain", "llama-plain", "llama-lookup"], warmup=True),
                            target=smollm2)
     assert result.exit_code == 0, result.methods  # a peer that differs only warns
@@ -161,8 +170,7 @@ def test_llama_peers_on_smollm2(smollm2, tmp_path, one_question):
     assert "llama-lookup:" in result.markdown and "the tokens/s of its reference llama-plain" in result.markdown
 
 
-def test_llama_cpp_tokenizer_agrees_with_specdec_on_the_templated_prompt(smollm2):
-    llama_cpp = pytest.importorskip("llama_cpp")
+def test_llama_cpp_tokenizer_agrees_with_specdec_on_the_templated_prompt(llama_cpp, smollm2):
     gguf = locate_gguf(MODELS["smollm2-135m"], progress=False)
     vocab = llama_cpp.Llama(model_path=str(gguf), vocab_only=True, verbose=False)
     text = smollm2.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
@@ -170,8 +178,7 @@ def test_llama_cpp_tokenizer_agrees_with_specdec_on_the_templated_prompt(smollm2
     vocab.close()
 
 
-def test_llama_method_checks_its_context_and_seeds_sampling(smollm2):
-    pytest.importorskip("llama_cpp")
+def test_llama_method_checks_its_context_and_seeds_sampling(llama_cpp, smollm2):
     from specdec.bench.peers import _build_llama_plain
     from specdec.sampling import SamplingParams
 
@@ -179,8 +186,9 @@ def test_llama_method_checks_its_context_and_seeds_sampling(smollm2):
     prompt = llama_target.encode_prompt(MESSAGES)
     method = _build_llama_plain(llama_target, {"n_ctx": str(len(prompt) + 4)}, None)
     try:
+        room = method.llama.n_ctx() - len(prompt)  # llama.cpp rounds the context up
         with pytest.raises(ValueError, match="n_ctx"):
-            method.generate(prompt, 5, SamplingParams(0.0))
+            method.generate(prompt, room + 1, SamplingParams(0.0))
         sampled = [method.generate(prompt, 4, SamplingParams(1.0, 0, 1.0, seed)).tokens for seed in (3, 3)]
         assert sampled[0] == sampled[1] and 1 <= len(sampled[0]) <= 4
     finally:

@@ -190,8 +190,14 @@ register_method_factory("hf-pld", _build_hf_pld, TRANSFORMERS, help="transformer
 # ============================================================================ llama.cpp
 
 LLAMA_CPP_VERSION = "0.3.36"  # = pyproject's `peers` extra
-LLAMA_CPP_INSTALL = (f"llama-cpp-python is not installed: get it with `pip install 'specdec[peers]'` "
-                     f"(llama-cpp-python=={LLAMA_CPP_VERSION}; it compiles llama.cpp from source, several minutes)")
+# llama.cpp's AMX matmul segfaults on this project's Sapphire Rapids CPU (llama.cpp issue 20824); a
+# native build enables it wherever the CPU has AMX, so the build leaves it out (the AVX-512 kernels stay)
+LLAMA_CPP_CMAKE_ARGS = "CMAKE_ARGS='-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8'"
+LLAMA_CPP_INSTALL = (f"llama-cpp-python is not installed: get it with {LLAMA_CPP_CMAKE_ARGS} pip install 'specdec[peers]' "
+                     f"(llama-cpp-python=={LLAMA_CPP_VERSION}; compiles llama.cpp from source, several minutes)")
+LLAMA_CPP_WITH_AMX = (f"this llama-cpp-python build runs llama.cpp's AMX kernel, which crashes on AMX CPUs: rebuild it "
+                      f"with {LLAMA_CPP_CMAKE_ARGS} pip install --force-reinstall --no-deps --no-cache-dir "
+                      f"llama-cpp-python=={LLAMA_CPP_VERSION}")
 LLAMA_OPTIONS = {"n_ctx": int, "threads": int}
 LLAMA_LOOKUP_OPTIONS = {**LLAMA_OPTIONS, "num_pred_tokens": int, "max_ngram_size": int}
 DEFAULT_LLAMA_CTX = 4096  # KV positions for prompt + new tokens (longest Spec-Bench first turn: 1473 Qwen tokens)
@@ -249,11 +255,13 @@ class LlamaCppRuntime(PeerRuntime):
 
     def missing(self) -> str | None:
         try:
-            import llama_cpp  # noqa: F401
+            import llama_cpp
         except ImportError:
             return LLAMA_CPP_INSTALL
         except OSError as error:  # installed, but its shared library does not load
             return f"llama-cpp-python is installed but does not load ({error}); reinstall it: pip install 'specdec[peers]'"
+        if "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode(errors="replace"):
+            return LLAMA_CPP_WITH_AMX  # it would kill the whole bench process (and its results) mid-run
         return None
 
     def load(self, source: PeerSource, config) -> LlamaCppTarget:
