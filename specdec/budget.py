@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .checks import check_int
 from .cost import CostTable
 
 
@@ -93,8 +94,7 @@ def choose_budget(
     child scores <= its parent). Nodes without a score are not drafted. Returns 0 (plain decoding
     this step) unless some n > 0 is strictly better; ties go to the smaller draft.
     """
-    if max_budget < 0:
-        raise ValueError(f"max_budget must be >= 0, got {max_budget}")
+    check_int("max_budget", max_budget, 0)
     rates = tokens_per_ms(_check_descending("path_scores", path_scores)[:max_budget], cost, draft_ms_per_node, other_tokens)
     best = 0
     for nodes, rate in enumerate(rates):
@@ -207,9 +207,7 @@ class FixedBudget:
     """Draft exactly `gamma` nodes per step (the drafter's default when gamma is None)."""
 
     def __init__(self, gamma: int | None = None):
-        if gamma is not None and gamma < 0:
-            raise ValueError(f"gamma must be >= 0, got {gamma}")
-        self.gamma = gamma
+        self.gamma = None if gamma is None else check_int("gamma", gamma, 0)
 
     def plan(self, seqs) -> list[int]:
         return [self.max_budget_for(seq.drafter) for seq in seqs]
@@ -244,8 +242,7 @@ class AutoBudget:
 
     def __init__(self, cost: CostTable, max_budget: int = 12, draft_ms_per_token: float = 0.0, probe_every: int = 8,
                  max_probe_every: int = 64, payback_fraction: float = 0.5):
-        if max_budget < 0:
-            raise ValueError(f"max_budget must be >= 0, got {max_budget}")
+        check_int("max_budget", max_budget, 0)
         if not 1 <= probe_every <= max_probe_every:
             raise ValueError(f"need 1 <= probe_every <= max_probe_every, got {probe_every}, {max_probe_every}")
         if not 0.0 < payback_fraction <= 1.0:
