@@ -141,3 +141,26 @@ def test_smollm2_gguf_weights_equal_fp32_weights_bitwise():
 def test_qwen_coder_05b_gguf_weights_equal_fp32_weights_bitwise():
     """Q5_0 / Q8_0 / Q6_K / Q4_K blocks (one Qwen model in memory at a time)."""
     _assert_real_model_gguf_equals_fp32("qwen2.5-coder-0.5b")
+
+
+@pytest.mark.parametrize("command", [
+    ["generate", "hi"], ["bench"], ["profile", "--model", "m"], ["serve"], ["train", "data", "--out", "d"],
+    ["train", "medusa", "--data", "d", "--out", "o"], ["train", "eval", "--model", "m", "--checkpoint", "c", "--data", "d"],
+])  # fmt: skip
+def test_every_command_that_loads_a_target_takes_weights(command):
+    from specdec.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args([*command, "--weights", "fp32"]).weights == "fp32"
+    assert parser.parse_args(command).weights is None  # as stored
+    with pytest.raises(SystemExit):
+        parser.parse_args([*command, "--weights", "int4"])
+
+
+def test_cost_tables_are_per_weight_format(quantized_gguf):
+    from specdec.cost import cost_key, default_cache_path
+
+    _, _, model_dir = quantized_gguf
+    stored, dense = load_native(model_dir), load_native(model_dir, weights="fp32")
+    assert (cost_key(stored)["weights"], cost_key(dense)["weights"]) == ("gguf", "fp32")
+    assert default_cache_path(cost_key(stored)) != default_cache_path(cost_key(dense))

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import json
 
-from .llama import SUPPORTED_MODEL_TYPES, load_native
+from .llama import SUPPORTED_MODEL_TYPES, WEIGHT_FORMATS, load_native
+
+
+def add_weights_argument(parser) -> None:
+    """`--weights gguf|fp32`, for every command that loads a target (load_target's `weights`)."""
+    parser.add_argument(
+        "--weights", choices=WEIGHT_FORMATS, default=None,
+        help="GGUF-sourced models: 'gguf' runs the file's quantized blocks in the kernel (default when the "
+             "kernel runs here), 'fp32' dequantizes them at load (same logits, ~6x the bytes per step)",
+    )
 
 
 def load_target(name_or_path: str, dtype: str = "float32", progress: bool = True, weights: str | None = None):
