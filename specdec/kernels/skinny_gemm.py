@@ -256,7 +256,8 @@ def _build(cxx: str, isa: str, cache_dir: Path) -> Path:
         raise KernelUnavailable(f"cannot write the kernel cache {cache_dir}: {exc}") from exc
     try:
         command = [cxx, *flags, str(SOURCE_PATH), "-o", tmp_name]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        # ~30 s of CPU on a quiet machine (GGUF formats x tile shapes); a loaded shared machine needs more
+        result = subprocess.run(command, capture_output=True, text=True, timeout=900)
         if result.returncode != 0 or os.path.getsize(tmp_name) == 0:
             raise KernelUnavailable(f"{cxx} failed to build {SOURCE_PATH.name}:\n{result.stderr[-2000:]}")
         # concurrent builders each rename a complete file; older builds stay (tens of KB each)
