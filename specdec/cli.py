@@ -24,7 +24,7 @@ SUBCOMMANDS = {
 }
 
 
-def _load_target_with_status(name: str, dtype: str):
+def _load_target_with_status(name: str, dtype: str, weights: str | None = None):
     from rich.console import Console
 
     from .api import load_target
@@ -32,7 +32,7 @@ def _load_target_with_status(name: str, dtype: str):
     console = Console(stderr=True)
     start = time.perf_counter()
     with console.status(f"loading {name} ..."):
-        target = load_target(name, dtype=dtype)
+        target = load_target(name, dtype=dtype, weights=weights)
     console.print(f"[dim]loaded {target.name} ({target.num_layers} layers, vocab {target.vocab_size}) in {time.perf_counter() - start:.1f}s[/dim]")
     return target
 
@@ -46,7 +46,7 @@ def cmd_generate(args) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     options = drafter_options(args.drafter, args.drafter_arg) if args.drafter else {}
     gamma = parse_gamma(args.gamma)  # before loading: a typo costs no model load
-    target = _load_target_with_status(args.model, args.dtype)
+    target = _load_target_with_status(args.model, args.dtype, args.weights)
     drafter = make_drafter(args.drafter, target, **options) if args.drafter else None
     prompt = args.prompt
     if args.stream:
@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    from .models import add_weights_argument
     from .models.registry import DEFAULT_MODEL, add_models_arguments
 
     gen = sub.add_parser("generate", help="generate text (plain or speculative)")
@@ -107,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_weights_argument(gen)
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--stats", action="store_true", help="print speculative statistics")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats)")

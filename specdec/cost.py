@@ -125,6 +125,8 @@ def cost_key(target, prefix_len: int = 64) -> dict:
         "cpu_count": os.cpu_count(),
         # the linear kernel changes T(k) a lot (specdec.kernels): tables never mix backends
         "linear": str(getattr(target, "linear_backend", "torch")),
+        # GGUF blocks stream ~6x fewer bytes than fp32 weights: a table is per weight format
+        "weights": str(getattr(target, "weights", "fp32")),
     }
     if device.type == "cuda" and torch.cuda.is_available():
         key["device_name"] = torch.cuda.get_device_name(device)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .cost import DEFAULT_KS, CostTable, default_cache_path, get_or_measure
+from .models import add_weights_argument
 
 
 def plot_cost_table(table: CostTable, path: str | os.PathLike) -> Path:
@@ -54,6 +55,7 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     """Options of ``specdec profile``."""
     parser.add_argument("--model", required=True, help="registry name, HF dir or .gguf file")
     parser.add_argument("--dtype", default="float32", help="weights dtype for the target")
+    add_weights_argument(parser)
     parser.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)),
                         help="token counts to time, comma-separated")
     parser.add_argument("--prefix-len", type=int, default=64, help="context length before k")
@@ -74,7 +76,7 @@ def run_profile(args: argparse.Namespace, load_target_fn: Callable | None = None
     ks = _parse_ks(args.ks)
     # keep stdout clean for --json: anything printed while loading/measuring goes to stderr
     with contextlib.redirect_stdout(sys.stderr):
-        target = load_target_fn(args.model, dtype=args.dtype)
+        target = load_target_fn(args.model, dtype=args.dtype, weights=args.weights)
         table = get_or_measure(
             target, ks, prefix_len=args.prefix_len, repeats=args.repeats,
             refresh=not args.cached, progress=True,
@@ -86,7 +88,7 @@ def run_profile(args: argparse.Namespace, load_target_fn: Callable | None = None
         print(json.dumps({"k": requested, "ms": [table.t(k) for k in requested]}), file=out)
         return 0
     print(f"T(k) for {table.key.get('model')} on {table.key.get('device')} "
-          f"({table.key.get('dtype')}, {table.key.get('threads')} threads, "
+          f"({table.key.get('dtype')}, {table.key.get('weights')} weights, {table.key.get('threads')} threads, "
           f"prefix {table.key.get('prefix_len')})", file=out)
     print(f"{'k':>4} {'ms':>10} {'T(k)/T(1)':>10}", file=out)
     for k in requested:

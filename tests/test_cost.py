@@ -356,8 +356,8 @@ def test_run_profile_json_prints_only_k_and_ms(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     loaded = []
 
-    def load_target(name, dtype="float32"):
-        loaded.append((name, dtype))
+    def load_target(name, dtype="float32", weights=None):
+        loaded.append((name, dtype, weights))
         print("loading chatter that must not reach stdout")
         return TinyRealTarget()
 
@@ -370,7 +370,7 @@ def test_run_profile_json_prints_only_k_and_ms(tmp_path, monkeypatch, capsys):
     assert set(data) == {"k", "ms"} and data["k"] == [1, 2, 4]
     assert len(data["ms"]) == 3 and all(ms > 0 for ms in data["ms"])
     assert "chatter" not in capsys.readouterr().out
-    assert loaded == [("tiny", "float32")]
+    assert loaded == [("tiny", "float32", None)]
     assert (tmp_path / "cost.png").is_file()
     assert list((tmp_path / "cost").glob("*.json"))  # cached for --gamma auto
 

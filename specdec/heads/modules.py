@@ -64,7 +64,9 @@ class FrozenTargetParts:
                 f"model.lm_head (specdec's native runtime); {type(target).__name__} {getattr(target, 'name', '')!r} does not"
             )
         eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None) or 1e-6
-        return cls(embed.weight.detach(), lm_head.weight.detach(), norm.weight.detach(), float(eps))
+        # GGUF-block modules (weights="gguf") hold uint8 blocks: the heads train on the dense matrices
+        dense = lambda module: module.fp32_weight() if hasattr(module, "fp32_weight") else module.weight.detach()  # noqa: E731
+        return cls(dense(embed), dense(lm_head), norm.weight.detach(), float(eps))
 
     def with_lm_rows(self, token_ids: torch.Tensor) -> FrozenTargetParts:
         """The same parts with an LM head over `token_ids` only (logits [..., len(token_ids)])."""

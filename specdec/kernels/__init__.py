@@ -6,8 +6,11 @@
 
 SPECDEC_LINEAR=torch (or fast_linear_modules(model, backend="torch")) keeps plain F.linear;
 backend="int8" (or SPECDEC_LINEAR=int8) is the opt-in, lossy weight-only int8 path.
+GGUFLinear / GGUFEmbedding (gguf_linear.py) keep a GGUF file's quantized blocks and compute
+bitwise what the fp32 kernel computes on the dequantized weights.
 """
 
+from .gguf_linear import KERNEL_TYPES, GGUFEmbedding, GGUFLinear, dequantize_blocks, gguf_module
 from .skinny_gemm import (
     BACKENDS,
     CppSkinnyLinear,
@@ -28,12 +31,17 @@ __all__ = [
     "BACKENDS",
     "CppSkinnyLinear",
     "FastLinear",
+    "GGUFEmbedding",
+    "GGUFLinear",
+    "KERNEL_TYPES",
     "Int8SkinnyLinear",
     "KernelUnavailable",
     "RowwiseTorchLinear",
     "TorchLinear",
     "cpu_isa",
+    "dequantize_blocks",
     "fast_linear_modules",
+    "gguf_module",
     "kernel_cache_dir",
     "load_library",
     "make_backend",

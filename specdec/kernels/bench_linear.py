@@ -71,7 +71,38 @@ def method_table(compiler: str | None = None) -> dict[str, Callable]:
         methods["int8"] = _prepared_backend("int8", compiler=compiler)
     except KernelUnavailable as exc:
         print(f"# int8: unavailable ({exc})")
+    try:
+        kernel = BACKENDS["cpp"](compiler=compiler)
+        for type_name in ("Q4_K", "Q6_K", "Q8_0", "Q5_0"):
+            methods[f"gguf_{type_name.lower()}"] = _gguf_blocks(type_name, kernel)
+    except KernelUnavailable as exc:
+        print(f"# gguf: unavailable ({exc})")
     return methods
+
+
+def _gguf_blocks(type_name: str, kernel) -> Callable:
+    """GGUFLinear on random valid blocks of the weight's shape (timing only: the kernel's work
+    and bytes do not depend on the values; finite fp16 scales keep the arithmetic ordinary)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from .gguf_linear import GGUFLinear
+
+    qtype = GGMLQuantizationType[type_name]
+    block, nbytes = GGML_QUANT_SIZES[qtype]
+    scale_offsets = {"Q6_K": (208,)}.get(type_name, (0, 2) if type_name.endswith("_K") else (0,))
+
+    def prepare(weight, bias):
+        out_features, in_features = weight.shape
+        rng = np.random.default_rng(0)
+        data = rng.integers(0, 256, size=(out_features, in_features // block, nbytes), dtype=np.uint8)
+        scales = np.full((out_features, in_features // block), 0.01, dtype=np.float16).view(np.uint8)
+        for offset in scale_offsets:
+            data[..., offset : offset + 2] = scales.reshape(out_features, -1, 2)
+        layer = GGUFLinear(torch.from_numpy(data.reshape(out_features, -1)), int(qtype), in_features, bias, kernel)
+        return layer
+
+    return prepare
 
 
 def time_methods(prepared: dict[str, list[Callable]], x: torch.Tensor, reps: int) -> dict[str, list[float]]:

@@ -115,8 +115,22 @@ class SkinnyGemmLibrary:
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,  # q, N, scale, bias
             ctypes.c_void_p, ctypes.c_int,  # y, threads
         ]  # fmt: skip
+        lib.sg_linear_gguf.restype = ctypes.c_int
+        lib.sg_linear_gguf.argtypes = [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # x, M, K
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,  # blocks, N, ggml type, bias
+            ctypes.c_void_p, ctypes.c_int,  # y, threads
+        ]  # fmt: skip
+        lib.sg_dequantize_rows.restype = ctypes.c_int
+        lib.sg_dequantize_rows.argtypes = [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,  # blocks, K, ggml type
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # row ids (int64), count, out
+        ]  # fmt: skip
+        lib.sg_block_size.argtypes = lib.sg_block_bytes.argtypes = [ctypes.c_int]
+        lib.sg_block_size.restype = lib.sg_block_bytes.restype = ctypes.c_int
         self._lib = lib
         self._linear = lib.sg_linear_f32
+        self._linear_gguf = lib.sg_linear_gguf
         self._linear_i8 = lib.sg_linear_i8
         self.vector_width = int(lib.sg_vector_width())
         if lib.sg_isa().decode() != isa:
@@ -155,6 +169,37 @@ class SkinnyGemmLibrary:
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"int8 kernel rejected shapes x {tuple(x.shape)} q {tuple(quantized.shape)}")
+        return out
+
+
+    def block_layout(self, ggml_type: int) -> tuple[int, int] | None:
+        """(weights, bytes) per block of a GGUF type the kernel computes on, else None."""
+        size = int(self._lib.sg_block_size(int(ggml_type)))
+        return (size, int(self._lib.sg_block_bytes(int(ggml_type)))) if size else None
+
+    def linear_gguf(
+        self, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, bias: torch.Tensor | None, num_threads: int
+    ) -> torch.Tensor:
+        """x [..., K] fp32, blocks [N, K / block * bytes] uint8 (GGUF rows) -> x @ dequantize(blocks).T + bias."""
+        in_features = x.shape[-1]
+        out = torch.empty(x.shape[:-1] + (blocks.shape[0],), dtype=torch.float32)  # [..., N]
+        status = self._linear_gguf(
+            x.data_ptr(), x.numel() // in_features, in_features, blocks.data_ptr(), blocks.shape[0], ggml_type,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), num_threads,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"GGUF kernel rejected x {tuple(x.shape)}, blocks {tuple(blocks.shape)} of type {ggml_type}")
+        return out
+
+    def dequantize_rows(self, blocks: torch.Tensor, ggml_type: int, in_features: int, rows: torch.Tensor) -> torch.Tensor:
+        """rows [...] int64 (checked in range by the caller) -> dequantized weight rows [..., K] fp32."""
+        rows = rows.contiguous()
+        out = torch.empty(rows.shape + (in_features,), dtype=torch.float32)  # [..., K]
+        status = self._lib.sg_dequantize_rows(
+            blocks.data_ptr(), in_features, ggml_type, rows.data_ptr(), rows.numel(), out.data_ptr()
+        )
+        if status != 0:
+            raise RuntimeError(f"GGUF kernel cannot dequantize type {ggml_type} rows of {in_features}")
         return out
 
 
@@ -211,7 +256,8 @@ def _build(cxx: str, isa: str, cache_dir: Path) -> Path:
         raise KernelUnavailable(f"cannot write the kernel cache {cache_dir}: {exc}") from exc
     try:
         command = [cxx, *flags, str(SOURCE_PATH), "-o", tmp_name]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        # ~30 s of CPU on a quiet machine (GGUF formats x tile shapes); a loaded shared machine needs more
+        result = subprocess.run(command, capture_output=True, text=True, timeout=900)
         if result.returncode != 0 or os.path.getsize(tmp_name) == 0:
             raise KernelUnavailable(f"{cxx} failed to build {SOURCE_PATH.name}:\n{result.stderr[-2000:]}")
         # concurrent builders each rename a complete file; older builds stay (tens of KB each)

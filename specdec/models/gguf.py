@@ -1,11 +1,15 @@
 """GGUF file -> HF-format model directory (config.json, model.safetensors, tokenizer files).
 
-Weights: a fast native mapper for the llama and qwen2 architectures (dequantise each tensor
-with `gguf.quants.dequantize`, rename llama.cpp names to HF names, undo llama.cpp's rotary
-permutation of the llama Q/K weights) streamed one tensor at a time into a float32
-safetensors file, so peak memory is one tensor, not the whole model. Any other architecture
-(e.g. gemma3) goes through transformers' own GGUF loader (`load_gguf_checkpoint`), which is
-slower but knows each architecture's quirks.
+Weights: a fast native mapper for the llama and qwen2 architectures (rename llama.cpp names to
+HF names, undo llama.cpp's rotary permutation of the llama Q/K rows) streamed one tensor at a
+time into a safetensors file, so peak memory is one tensor, not the whole model. Tensors in a
+block format the kernel computes on (`specdec.kernels.KERNEL_TYPES`: Q4_0 ... Q6_K) are kept as
+the file stores them: uint8 [out, row_bytes] in ggml's row layout, their types listed in the
+safetensors metadata under `gguf_types` (see `read_block_types`). Everything else is dequantised
+to float32 with `gguf.quants.dequantize`, which is also how the native loader turns blocks into
+fp32 weights when asked (`weights="fp32"`): the same numbers the old all-fp32 cache held. Any
+other architecture (e.g. gemma3) goes through transformers' own GGUF loader
+(`load_gguf_checkpoint`), float32, slower but aware of each architecture's quirks.
 
 Config, tokenizer (incl. chat template) and generation config come from transformers' GGUF
 support: that is the reference the converted directory must match.
@@ -22,8 +26,11 @@ from typing import Callable
 
 import numpy as np
 
-CONVERTER_VERSION = 1  # bump when the output of this module changes: cached dirs get rebuilt
+# Bump when the output of this module changes. Each version has its own cache directory
+# (registry.models_root), so checkouts of different versions never rebuild each other's entries.
+CONVERTER_VERSION = 2  # 2: GGUF blocks kept as stored (1: everything dequantised to float32)
 WEIGHTS_FILE = "model.safetensors"
+BLOCK_TYPES_KEY = "gguf_types"  # safetensors metadata: JSON {tensor name: ggml type id} of block tensors
 
 # llama.cpp per-block tensor name -> HF name inside `model.layers.N.`
 BLOCK_TENSOR_NAMES = {
@@ -97,23 +104,29 @@ def permute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- safetensors
 
 
+SAFETENSORS_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.uint8): "U8"}
+
+
 def write_safetensors_streaming(
     path: Path,
     shapes: dict[str, tuple[int, ...]],
     produce: Callable[[str], np.ndarray],
     metadata: dict[str, str] | None = None,
+    dtypes: dict[str, np.dtype] | None = None,
 ) -> None:
-    """Write float32 tensors to `path` in safetensors format, producing them one at a time.
+    """Write tensors (float32, or as `dtypes` says: float32 / uint8) to `path` in safetensors
+    format, producing them one at a time.
 
     Format: u64 little-endian header size, JSON header {name: {dtype, shape, data_offsets}},
     then the raw bytes. The header is known up front from the shapes, so no tensor has to wait
     in memory for the others.
     """
-    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    dtypes = {name: np.dtype((dtypes or {}).get(name, np.float32)) for name in shapes}
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     for name, shape in shapes.items():
-        size = int(np.prod(shape, dtype=np.int64)) * 4
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        size = int(np.prod(shape, dtype=np.int64)) * dtypes[name].itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtypes[name]], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)  # data must start 8-byte aligned
@@ -121,7 +134,7 @@ def write_safetensors_streaming(
         out.write(struct.pack("<Q", len(header_bytes)))
         out.write(header_bytes)
         for name, shape in shapes.items():
-            array = np.ascontiguousarray(produce(name), dtype=np.float32)
+            array = np.ascontiguousarray(produce(name), dtype=dtypes[name])
             if tuple(array.shape) != tuple(shape):
                 raise ValueError(f"tensor {name}: produced shape {array.shape}, header says {shape}")
             out.write(array.tobytes())
@@ -145,9 +158,23 @@ def fast_arch_of(reader) -> FastArch | None:
     return arch
 
 
-def native_tensor_plan(reader) -> tuple[dict[str, tuple[int, ...]], dict[str, Callable[[], np.ndarray]]]:
-    """HF name -> shape, and HF name -> thunk producing the float32 HF tensor (fast archs only)."""
+@dataclass
+class TensorPlan:
+    """What the native mapper writes: HF name -> shape, dtype, a thunk producing the array; and
+    the ggml type of each tensor kept as blocks."""
+
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, np.dtype]
+    producers: dict[str, Callable[[], np.ndarray]]
+    block_types: dict[str, int]
+
+
+def native_tensor_plan(reader, keep_blocks: bool = False) -> TensorPlan:
+    """The HF tensors of a llama/qwen2 GGUF (fast archs only): float32, except that with
+    `keep_blocks` every 2-D tensor in a kernel block format stays uint8 blocks [out, row_bytes]."""
     from gguf.quants import dequantize
+
+    from ..kernels.gguf_linear import KERNEL_TYPES
 
     architecture = _field_value(reader, "general.architecture")
     arch = FAST_ARCHS[architecture]
@@ -155,21 +182,55 @@ def native_tensor_plan(reader) -> tuple[dict[str, tuple[int, ...]], dict[str, Ca
     num_kv_heads = int(_field_value(reader, f"{architecture}.attention.head_count_kv") or num_heads)
     heads_for = {"attn_q": num_heads, "attn_k": num_kv_heads}
 
-    shapes: dict[str, tuple[int, ...]] = {}
-    producers: dict[str, Callable[[], np.ndarray]] = {}
+    plan = TensorPlan({}, {}, {}, {})
     for tensor in reader.tensors:
         hf_name = hf_tensor_name(tensor.name)
         # GGUF lists dims fastest-first (ne0 = in_features); numpy/HF order is the reverse
-        shapes[hf_name] = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         part = tensor.name.split(".")[-2]
         unpermute_heads = heads_for.get(part) if arch.permuted_qk else None
+        as_blocks = keep_blocks and len(shape) == 2 and int(tensor.tensor_type) in KERNEL_TYPES.values()
+        if as_blocks:  # rows of blocks: the rotary row permutation is undone on whole rows, exactly
+            plan.block_types[hf_name] = int(tensor.tensor_type)
+            shape = (shape[0], int(tensor.data.nbytes) // shape[0])
 
-        def produce(tensor=tensor, shape=shapes[hf_name], unpermute_heads=unpermute_heads) -> np.ndarray:
-            weights = dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32, copy=False)
+        def produce(tensor=tensor, shape=shape, unpermute_heads=unpermute_heads, as_blocks=as_blocks) -> np.ndarray:
+            if as_blocks:
+                weights = np.asarray(tensor.data).reshape(shape)
+            else:
+                weights = dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32, copy=False)
             return weights if unpermute_heads is None else unpermute_rotary(weights, unpermute_heads)
 
-        producers[hf_name] = produce
-    return shapes, producers
+        plan.shapes[hf_name] = shape
+        plan.dtypes[hf_name] = np.dtype(np.uint8 if as_blocks else np.float32)
+        plan.producers[hf_name] = produce
+    return plan
+
+
+def read_block_types(weights_file: Path | str) -> dict[str, int]:
+    """{tensor name: ggml type id} of the tensors a converted safetensors file keeps as GGUF blocks."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights_file), framework="pt") as reader:
+        metadata = reader.metadata() or {}
+    return {name: int(ggml_type) for name, ggml_type in json.loads(metadata.get(BLOCK_TYPES_KEY, "{}")).items()}
+
+
+def transformers_load_kwargs(model_dir: Path | str) -> dict:
+    """Extra `from_pretrained` arguments for transformers to load a converted dir: a dir whose
+    weights are GGUF blocks is read from its source GGUF instead (transformers dequantises it)."""
+    model_dir = Path(model_dir)
+    weights_file = model_dir / WEIGHTS_FILE
+    if not weights_file.is_file() or not read_block_types(weights_file):
+        return {}
+    try:
+        source = Path(json.loads((model_dir / "specdec.json").read_text())["source_gguf"])
+    except (OSError, ValueError, KeyError):
+        source = None
+    if source is None or not source.is_file():
+        raise FileNotFoundError(f"{model_dir} holds GGUF blocks and its source GGUF ({source}) is gone; "
+                                "transformers cannot read the blocks (refetch the model)")
+    return {"gguf_file": str(source)}
 
 
 def read_gguf_state_dict(gguf_path: Path | str) -> dict[str, np.ndarray]:
@@ -179,7 +240,7 @@ def read_gguf_state_dict(gguf_path: Path | str) -> dict[str, np.ndarray]:
     reader = GGUFReader(str(gguf_path))
     if fast_arch_of(reader) is None:
         raise ValueError(f"{gguf_path}: architecture {_field_value(reader, 'general.architecture')!r} not in the fast mapper ({', '.join(FAST_ARCHS)})")
-    _, producers = native_tensor_plan(reader)
+    producers = native_tensor_plan(reader).producers
     return {name: np.array(produce(), copy=True) for name, produce in producers.items()}  # own memory, not the mmap
 
 
@@ -229,11 +290,13 @@ def _save_generation_config(config, out_dir: Path) -> None:
 
 
 def convert_gguf_to_hf_dir(gguf_path: Path | str, out_dir: Path | str, progress: bool = True,
-                           tokenizer: bool = True, fast: bool = True) -> Path:
-    """Write config.json, model.safetensors (float32), generation_config.json and tokenizer files.
+                           tokenizer: bool = True, fast: bool = True, keep_blocks: bool = True) -> Path:
+    """Write config.json, model.safetensors, generation_config.json and tokenizer files.
 
     `out_dir` must exist (callers build into a temp dir and rename it; see registry.py).
-    `fast=False` forces transformers' loader even for llama/qwen2 (a cross-check / escape hatch).
+    `keep_blocks` (llama/qwen2): kernel block formats stay GGUF blocks; False: all float32.
+    `fast=False` forces transformers' loader even for llama/qwen2 (a cross-check / escape hatch;
+    float32 only).
     """
     from gguf import GGUFReader
     from tqdm.auto import tqdm
@@ -242,8 +305,11 @@ def convert_gguf_to_hf_dir(gguf_path: Path | str, out_dir: Path | str, progress:
     reader = GGUFReader(str(gguf_path))
     config = _hf_config(gguf_path)
     arch = fast_arch_of(reader) if fast else None
+    dtypes, metadata = None, None
     if arch is not None:
-        shapes, producers = native_tensor_plan(reader)
+        plan = native_tensor_plan(reader, keep_blocks=keep_blocks)
+        shapes, producers, dtypes = plan.shapes, plan.producers, plan.dtypes
+        metadata = {BLOCK_TYPES_KEY: json.dumps(plan.block_types)} if plan.block_types else None
     else:
         tensors = _transformers_state_dict(gguf_path, config)
         shapes = {name: tuple(t.shape) for name, t in tensors.items()}
@@ -258,7 +324,7 @@ def convert_gguf_to_hf_dir(gguf_path: Path | str, out_dir: Path | str, progress:
         return producers[name]()
 
     with bar:
-        write_safetensors_streaming(out_dir / WEIGHTS_FILE, shapes, produce)
+        write_safetensors_streaming(out_dir / WEIGHTS_FILE, shapes, produce, metadata=metadata, dtypes=dtypes)
     config.save_pretrained(str(out_dir))
     _save_generation_config(config, out_dir)
     if tokenizer:

@@ -129,8 +129,12 @@ class HFTarget(Target):
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"{model_dir} is not a HF-format model directory (no config.json)")
         torch_dtype = parse_dtype(dtype)
-        # sdpa takes our additive 4D masks as they are; eager would too, sdpa is faster on CPU
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype, attn_implementation="sdpa")
+        from .gguf import transformers_load_kwargs
+
+        # sdpa takes our additive 4D masks as they are; eager would too, sdpa is faster on CPU.
+        # A dir holding GGUF blocks is read from its source GGUF (transformers_load_kwargs).
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype, attn_implementation="sdpa",
+                                                     **transformers_load_kwargs(model_dir))
         has_tokenizer = any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir)) if has_tokenizer else None
         return cls(model.to(device), tokenizer, name=name or model_dir.name, device=device, model_dir=model_dir)

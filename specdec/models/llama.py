@@ -4,7 +4,9 @@ One readable file in the spirit of gpt-fast: RMSNorm, rotary embedding, grouped-
 attention over `KVCache` with an explicit mask (tree attention is just a mask), SwiGLU MLP.
 Parameter names equal transformers' so an HF checkpoint (config.json + safetensors) loads
 as is. Every projection is an `nn.Linear`, so a faster linear kernel can be swapped in
-module by module without touching this file.
+module by module without touching this file: `fast_linear_modules` for dense weights, and for a
+GGUF-sourced checkpoint `GGUFLinear` / `GGUFEmbedding`, which keep the file's quantized blocks
+(see `load_native`'s `weights`).
 """
 
 from __future__ import annotations
@@ -241,11 +243,12 @@ class NativeTarget(Target):
         self.vocab_size = cfg.vocab_size
         self.num_layers = cfg.num_hidden_layers
         self.hidden_size = cfg.hidden_size
-        self.dtype = model.lm_head.weight.dtype
-        self.device = model.lm_head.weight.device
+        self.dtype = model.model.norm.weight.dtype  # activations (GGUF-block weights are uint8)
+        self.device = model.model.norm.weight.device
         attn = model.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.linear_backend = "torch"  # set by load_native when a kernel is swapped in
+        self.weights = "fp32"  # "gguf" when load_native kept GGUF blocks; "fp32": dense `dtype` weights
 
     def new_cache(self, batch_size: int = 1, max_len: int = 2048, num_layers: int | None = None,
                   max_tokens: int | None = None) -> KVCache:
@@ -259,15 +262,28 @@ class NativeTarget(Target):
         return self.model(tokens, positions, cache, attn_mask, hidden_layers, layer_ids, token_valid=token_valid)
 
 
+WEIGHT_FORMATS = ("gguf", "fp32")
+
+
 def load_native(
-    model_dir: str | Path, dtype: str | torch.dtype = "float32", name: str | None = None, linear: str = "auto"
+    model_dir: str | Path, dtype: str | torch.dtype = "float32", name: str | None = None, linear: str = "auto",
+    weights: str | None = None,
 ) -> NativeTarget:
     """Load an HF-format directory (config.json + *.safetensors + tokenizer files) on the native runtime.
 
-    `linear` picks the kernel behind every projection (specdec.kernels): "auto" = the
+    `linear` picks the kernel behind every dense projection (specdec.kernels): "auto" = the
     batch-invariant skinny-GEMM kernel when it builds here (`SPECDEC_LINEAR=torch` turns it off).
+    `weights` matters for a GGUF-sourced dir, whose tensors are partly GGUF blocks:
+      "gguf"  the blocks stay as stored and run in the kernel (`GGUFLinear`, `GGUFEmbedding`):
+              float32 activations, ~1/6 of the bytes of fp32 weights; the default when the kernel
+              is available;
+      "fp32"  the blocks are dequantized at load (gguf's own `dequantize`) into dense `dtype`
+              weights: the model the all-fp32 cache used to hold. With the kernel, both give
+              bitwise the same logits (the kernel computes gguf's per-weight expression).
+    A dir without blocks (an HF checkpoint) has dense weights only; "gguf" is an error there.
     """
-    from ..kernels import fast_linear_modules
+    from ..kernels import dequantize_blocks, fast_linear_modules, make_backend
+    from .gguf import read_block_types
 
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -277,23 +293,30 @@ def load_native(
     cfg = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = LlamaModel(cfg)
-    state = {}
+    state, block_types = {}, {}
     for shard in sorted(model_dir.glob("*.safetensors")):
         state.update(load_file(shard))
+        block_types.update(read_block_types(shard))
     if not state:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    backend = make_backend(linear)
+    weights = _weight_format(weights, bool(block_types), torch_dtype, backend, model_dir)
+    blocks = {key: state.pop(key) for key in block_types}  # [out, row_bytes] uint8 each
+    if weights == "fp32":
+        state.update({key: dequantize_blocks(blocks.pop(key), block_types[key]) for key in list(blocks)})
     if getattr(cfg, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     state = {key: tensor.to(torch_dtype) for key, tensor in state.items()}
+    loaded_as_blocks = _swap_in_gguf_modules(model, blocks, block_types, state, backend.backend)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
+    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings) and m not in loaded_as_blocks]
     if missing or unexpected:
         raise ValueError(f"checkpoint in {model_dir} does not fit {cfg.model_type}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if getattr(cfg, "tie_word_embeddings", False):
-        model.lm_head.weight = model.model.embed_tokens.weight
+        _tie_lm_head(model, backend.backend)
     inv_freq, model.attention_scaling = rope_inv_freq(cfg)
     model.inv_freq = inv_freq
-    linear_info = fast_linear_modules(model, backend=linear)
+    linear_info = fast_linear_modules(model, backend=backend.backend.name)  # the dense projections, if any
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     try:
         gen_cfg = GenerationConfig.from_pretrained(model_dir)
@@ -303,4 +326,50 @@ def load_native(
     display = name or (json.loads(spec_file.read_text()).get("name") if spec_file.exists() else None) or model_dir.name
     target = NativeTarget(model, tokenizer, display, model_dir, gen_cfg)
     target.linear_backend = linear_info["backend"]
+    target.weights = weights
     return target
+
+
+def _weight_format(requested: str | None, has_blocks: bool, dtype: torch.dtype, backend, model_dir: Path) -> str:
+    """"gguf" or "fp32" for this load (see load_native); clear errors for impossible requests."""
+    if requested is not None and requested not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {requested!r}")
+    kernel_ready = backend.backend.name == "cpp"
+    if requested == "gguf":
+        if not has_blocks:
+            raise ValueError(f"weights='gguf': {model_dir} holds no GGUF blocks (dense weights only); use weights='fp32'")
+        if dtype != torch.float32:
+            raise ValueError(f"weights='gguf' runs float32 activations, not {dtype}; use weights='fp32' for dense {dtype} weights")
+        if not kernel_ready:
+            raise ValueError(f"weights='gguf' needs the compiled kernel, which is off here ({backend.reason}); use weights='fp32'")
+    if requested is None:  # as stored when it can run that way, else dense
+        return "gguf" if has_blocks and dtype == torch.float32 and kernel_ready else "fp32"
+    return requested
+
+
+def _swap_in_gguf_modules(model: LlamaModel, blocks: dict, block_types: dict, state: dict, backend) -> set[str]:
+    """Replace each module whose weight is GGUF blocks by its GGUFLinear / GGUFEmbedding (its
+    bias, if any, moves out of `state` into the new module); returns the parameter names filled."""
+    from ..kernels import gguf_module
+
+    filled = set()
+    for key, tensor in blocks.items():
+        module_name = key.removesuffix(".weight")
+        parent_name, _, child_name = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        bias = state.pop(f"{module_name}.bias", None)
+        module = gguf_module(getattr(parent, child_name), tensor, block_types[key], bias, backend)
+        setattr(parent, child_name, module)
+        filled.update(f"{module_name}.{param}" for param, _ in module.named_parameters())
+    return filled
+
+
+def _tie_lm_head(model: LlamaModel, backend) -> None:
+    """lm_head reads the embedding matrix itself (same Parameter; as GGUF blocks when it is)."""
+    from ..kernels import GGUFEmbedding, GGUFLinear
+
+    embed = model.model.embed_tokens
+    if isinstance(embed, GGUFEmbedding):
+        model.lm_head = GGUFLinear(embed.weight, embed.ggml_type, embed.embedding_dim, None, backend)
+    else:
+        model.lm_head.weight = embed.weight

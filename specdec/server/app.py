@@ -26,6 +26,7 @@ from ..kv_cache import DEFAULT_KV_MEMORY_FRACTION, kv_budget_tokens
 from ..models.registry import DEFAULT_MODEL
 from ..sampling import SamplingParams, make_generator
 from .metrics import ServerMetrics
+from ..models import add_weights_argument
 from ..streaming import TextDeltas
 from .scheduler import (FinishedEvent, GenerationRequest, QueueFullError, Scheduler, SchedulerStoppedError, TokensEvent,
                         check_max_model_len)
@@ -445,6 +446,7 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument("--drafter-arg", action="append", default=[], metavar="KEY=VALUE", help="drafter option")
     parser.add_argument("--gamma", default="auto", help="draft budget per step: an int, or 'auto' (load-aware cost model)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_weights_argument(parser)
     parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /metrics "
@@ -480,7 +482,7 @@ def run_serve(args) -> int:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     options = drafter_options(args.drafter, args.drafter_arg) if args.drafter else {}
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    target = load_target(args.model, dtype=args.dtype)
+    target = load_target(args.model, dtype=args.dtype, weights=args.weights)
     drafter = make_drafter(args.drafter, target, **options) if args.drafter else None
     app = create_app(target, drafter, gamma=gamma, model_name=args.served_model_name or args.model,
                      max_running=args.max_running, max_queue=args.max_queue, max_model_len=args.max_model_len,

@@ -15,6 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..models import add_weights_argument
 from ..models.registry import DEFAULT_MODEL
 from .prompts import DEFAULT_MIX, SOURCES, parse_mix
 
@@ -49,6 +50,7 @@ def _mix_text(mix: dict[str, float]) -> str:
 
 def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, HF model directory, or .gguf file")
+    add_weights_argument(parser)
     parser.add_argument("--out", required=True, help="data directory (rerun with the same settings to resume)")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=128, help="answer length limit per prompt")
@@ -79,6 +81,7 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_common_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the target the heads are for (must match the data)")
+    add_weights_argument(parser)
     parser.add_argument("--data", required=True, action="append",
                         help="directory written by `specdec train data` (repeat to combine several; held-out data "
                              "comes from the self-distilled ones)")
@@ -136,6 +139,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
     evaluate = sub.add_parser("eval", help="a checkpoint's agreement with the target on the held-out part of training data")
     evaluate.add_argument("--model", required=True, help="the target the checkpoint was trained for")
+    add_weights_argument(evaluate)
     evaluate.add_argument("--checkpoint", required=True, help="a directory written by `specdec train medusa|mtp`")
     evaluate.add_argument("--data", action="append", required=True,
                           help="training data directories, as given to the trainer (its held-out split is used)")
@@ -148,17 +152,17 @@ def run_train(args) -> int:
     return int(args.train_func(args) or 0)
 
 
-def _load_target(name: str):
+def _load_target(args):
     from ..api import load_target
 
-    print(f"loading {name} ...", file=sys.stderr)
-    return load_target(name, dtype="float32")
+    print(f"loading {args.model} ...", file=sys.stderr)
+    return load_target(args.model, dtype="float32", weights=getattr(args, "weights", None))
 
 
 def run_data(args) -> int:
     from .data import CorpusSettings, DataSettings, build_corpus_dataset, build_dataset
 
-    target = _load_target(args.model)
+    target = _load_target(args)
     log = lambda message: print(message, file=sys.stderr)  # noqa: E731
     if args.corpus:
         settings = CorpusSettings(
@@ -205,7 +209,7 @@ def run_eval(args) -> int:
 
     if args.max_rows < 0:
         raise ValueError(f"--max-rows must be >= 0 (0 = every row), got {args.max_rows}")
-    target = _load_target(args.model)
+    target = _load_target(args)
     heads, config = load_checkpoint(args.checkpoint, target)
     trained = config.get("training", {}).get("settings", {})
     samples, _ = _load_data(args.data, [heads.input_layer], target)
@@ -240,7 +244,7 @@ def run_heads_training(args) -> int:
         raise ValueError(f"{out} already holds a checkpoint: pass --resume to continue it or --overwrite to start over")
     kind, options = args.head_kind(args)
     device, dtype = _resolve_device_and_dtype(args)
-    target = _load_target(args.model)
+    target = _load_target(args)
     heads = build_heads(kind, target, **options)
     layers = sorted({heads.input_layer, target.num_layers} if args.feature_weight > 0 else {heads.input_layer})
     samples, data_info = _load_data(args.data, layers, target)

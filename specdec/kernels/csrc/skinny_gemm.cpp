@@ -1,5 +1,5 @@
 // Batch-invariant skinny GEMM for CPU: y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), fp32
-// activations, fp32 or int8 (weight-only, per-row scale) weights.
+// activations; fp32, int8 (weight-only, per-row scale) or GGUF block (Q4_0 ... Q6_K) weights.
 //
 // Why this exists: a decode step (M = 1) and a verification forward (M = k draft tokens)
 // are both memory-bound on the weight stream, so a kernel that reads every weight row once
@@ -102,31 +102,204 @@ constexpr int kColsPerTile = SG_NR;     // NR: rows of w (output columns) per mi
 constexpr int64_t kPrefetchTiles = 2;   // software prefetch distance, in tiles (1, 2, 4, 8 measured)
 constexpr int64_t kKChunk = 512;        // K elements per step when row blocks interleave (multiple of V and of 64)
 
-// Weight loads: fp32 as is; int8 (weight-only quantisation) widened to fp32 in registers, so
-// x rows stay fp32 and the accumulation is the same as for fp32 weights.
-inline vec load_w(const float* p) { return vload(p); }
-inline vec load_w_tail(const float* p, int64_t, tail_mask m) { return vload_tail(p, m); }
-#if defined(__AVX512F__)
-inline vec load_w(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-}
-#else
-inline vec load_w(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
-#endif
-inline vec load_w_tail(const int8_t* p, int64_t remaining, tail_mask) {
-  alignas(16) int8_t padded[16] = {0};  // zero lanes past K, like the fp32 masked load
-  std::memcpy(padded, p, (size_t)remaining);
-  return load_w(padded);
+// ---------------------------------------------------------------- weight formats
+// A weight row is a sequence of blocks; a format says how one block becomes V-wide fp32 vectors:
+//   kBlock weights per block in kBytes bytes; Scales = what is computed once per block (per
+//   sub-block products such as d * sc); load(block, scales, e) = weights [e, e + V) of the block.
+// fp32 and int8 rows are blocks of V weights with nothing to prepare. The GGUF formats
+// (ggml's block layouts) dequantize each weight with gguf-py's own per-weight expression, one
+// separately rounded fp32 operation at a time (the build has -ffp-contract=off), so the vector
+// handed to the FMA is bitwise the weight `gguf.quants.dequantize` produces: the output is
+// bitwise the fp32 kernel's on the dequantized matrix, without that matrix ever existing.
+
+inline float fp16_to_fp32(const uint8_t* p) {  // exact (every fp16 is an fp32), no F16C needed
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else {  // zero or subnormal: mantissa * 2^-24 (exact in fp32)
+    const float magnitude = (float)mantissa * 5.9604644775390625e-08f;
+    std::memcpy(&bits, &magnitude, 4);
+    bits |= sign;
+  }
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
 }
 
+// V consecutive bytes; widened to V fp32 lanes (unsigned or signed); nibbles; bit fields.
+inline __m128i load_bytes(const uint8_t* p) {
+  return V == 16 ? _mm_loadu_si128((const __m128i*)p) : _mm_loadl_epi64((const __m128i*)p);
+}
+inline __m128i low_nibbles(__m128i b) { return _mm_and_si128(b, _mm_set1_epi8(0x0f)); }
+inline __m128i high_nibbles(__m128i b) { return _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0f)); }
+inline __m128i nibbles(__m128i b, bool high) { return high ? high_nibbles(b) : low_nibbles(b); }
+inline __m128i bit_field(__m128i b, int shift, int mask) {  // (b >> shift) & mask per byte (shift < 8)
+  return _mm_and_si128(_mm_srl_epi16(b, _mm_cvtsi32_si128(shift)), _mm_set1_epi8((char)mask));
+}
+#if defined(__AVX512F__)
+inline vec u8_to_vec(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
+inline vec i8_to_vec(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
+inline vec vset1(float v) { return _mm512_set1_ps(v); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+// lanes [0, V): (u8[i] | (bit i of `bits` ? 16 : 0)) - 16, as fp32 (Q5_0's 5-bit weights)
+inline vec u8_with_high_bits_minus_16(__m128i low, uint32_t bits) {
+  const __m512i q = _mm512_or_si512(_mm512_cvtepu8_epi32(low), _mm512_maskz_set1_epi32((__mmask16)bits, 16));
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(16)));
+}
+#else
+inline vec u8_to_vec(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
+inline vec i8_to_vec(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
+inline vec vset1(float v) { return _mm256_set1_ps(v); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+inline vec u8_with_high_bits_minus_16(__m128i low, uint32_t bits) {
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)bits), lane_bit), lane_bit);
+  const __m256i q = _mm256_or_si256(_mm256_cvtepu8_epi32(low), _mm256_and_si256(set, _mm256_set1_epi32(16)));
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(16)));
+}
+#endif
+
+struct NoScales {};
+
+struct F32Format {  // nn.Linear weights as they are
+  static constexpr int kBlock = V, kBytes = V * 4;
+  static constexpr bool kTail = true;  // any K: the last K % V weights come through load_tail
+  using Scales = NoScales;
+  static void prepare(const uint8_t*, Scales&) {}
+  static vec load(const uint8_t* b, const Scales&, int) { return vload((const float*)b); }
+  static vec load_tail(const uint8_t* b, int64_t, tail_mask m) { return vload_tail((const float*)b, m); }
+};
+
+struct Int8Format {  // weight-only int8 (per-row scale applied after the sum)
+  static constexpr int kBlock = V, kBytes = V;
+  static constexpr bool kTail = true;
+  using Scales = NoScales;
+  static void prepare(const uint8_t*, Scales&) {}
+  static vec load(const uint8_t* b, const Scales&, int) { return i8_to_vec(load_bytes(b)); }
+  static vec load_tail(const uint8_t* b, int64_t remaining, tail_mask) {
+    alignas(16) uint8_t padded[16] = {0};  // zero lanes past K, like the fp32 masked load
+    std::memcpy(padded, b, (size_t)remaining);
+    return load(padded, NoScales{}, 0);
+  }
+};
+
+// GGUF formats (K is a multiple of kBlock: no tail). Byte layouts as in ggml's block_* structs.
+struct Scale1 { float d; };
+struct Scale2 { float d, m; };
+
+struct Q4_0Format {  // d fp16, qs[16]: weight j < 16 = low nibble of qs[j], j >= 16 = high nibble of qs[j-16]
+  static constexpr int kBlock = 32, kBytes = 18;
+  static constexpr bool kTail = false;
+  using Scales = Scale1;
+  static void prepare(const uint8_t* b, Scales& s) { s.d = fp16_to_fp32(b); }
+  static vec load(const uint8_t* b, const Scales& s, int e) {  // d * (q - 8)
+    const __m128i q = _mm_sub_epi8(nibbles(load_bytes(b + 2 + e % 16), e >= 16), _mm_set1_epi8(8));
+    return vmul(vset1(s.d), i8_to_vec(q));
+  }
+};
+
+struct Q4_1Format {  // d fp16, m fp16, qs[16] as Q4_0
+  static constexpr int kBlock = 32, kBytes = 20;
+  static constexpr bool kTail = false;
+  using Scales = Scale2;
+  static void prepare(const uint8_t* b, Scales& s) { s.d = fp16_to_fp32(b), s.m = fp16_to_fp32(b + 2); }
+  static vec load(const uint8_t* b, const Scales& s, int e) {  // (d * q) + m
+    return vadd(vmul(vset1(s.d), u8_to_vec(nibbles(load_bytes(b + 4 + e % 16), e >= 16))), vset1(s.m));
+  }
+};
+
+struct Q5_0Format {  // d fp16, qh u32 (bit j = 5th bit of weight j), qs[16] as Q4_0
+  static constexpr int kBlock = 32, kBytes = 22;
+  static constexpr bool kTail = false;
+  using Scales = Scale1;
+  static void prepare(const uint8_t* b, Scales& s) { s.d = fp16_to_fp32(b); }
+  static vec load(const uint8_t* b, const Scales& s, int e) {  // d * (q - 16)
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    const uint32_t bits = (qh >> e) & ((1u << V) - 1u);
+    return vmul(vset1(s.d), u8_with_high_bits_minus_16(nibbles(load_bytes(b + 6 + e % 16), e >= 16), bits));
+  }
+};
+
+struct Q8_0Format {  // d fp16, qs int8[32]
+  static constexpr int kBlock = 32, kBytes = 34;
+  static constexpr bool kTail = false;
+  using Scales = Scale1;
+  static void prepare(const uint8_t* b, Scales& s) { s.d = fp16_to_fp32(b); }
+  static vec load(const uint8_t* b, const Scales& s, int e) { return vmul(i8_to_vec(load_bytes(b + 2 + e)), vset1(s.d)); }
+};
+
+// Q4_K / Q5_K: 256 weights in 8 sub-blocks of 32, each with a 6-bit scale and min packed in 12 bytes.
+struct SubBlockScales { float d[8], dm[8]; };  // d * sc and dmin * m per sub-block
+
+inline void k_quant_scales(const uint8_t* b, SubBlockScales& s) {
+  const float d = fp16_to_fp32(b), dmin = fp16_to_fp32(b + 2);
+  const uint8_t* q = b + 4;  // bytes 0-3: low 6 bits of sc 0-3; 4-7: of m 0-3; 8-11: low 4 bits of sc/m 4-7
+  for (int i = 0; i < 4; ++i) {
+    s.d[i] = d * (float)(q[i] & 0x3f);
+    s.dm[i] = dmin * (float)(q[4 + i] & 0x3f);
+    s.d[4 + i] = d * (float)((q[8 + i] & 0x0f) | ((q[i] >> 2) & 0x30));
+    s.dm[4 + i] = dmin * (float)((q[8 + i] >> 4) | ((q[4 + i] >> 2) & 0x30));
+  }
+}
+
+struct Q4_KFormat {  // d, dmin fp16, scales[12], qs[128]: sub-block 2i / 2i+1 = low / high nibbles of qs[32i..32i+31]
+  static constexpr int kBlock = 256, kBytes = 144;
+  static constexpr bool kTail = false;
+  using Scales = SubBlockScales;
+  static void prepare(const uint8_t* b, Scales& s) { k_quant_scales(b, s); }
+  static vec load(const uint8_t* b, const Scales& s, int e) {  // (d * sc) * q - (dmin * m)
+    const int sub = e / 32;
+    const __m128i q = nibbles(load_bytes(b + 16 + 32 * (sub / 2) + e % 32), sub % 2);
+    return vsub(vmul(vset1(s.d[sub]), u8_to_vec(q)), vset1(s.dm[sub]));
+  }
+};
+
+struct Q5_KFormat {  // d, dmin, scales[12], qh[32] (bit s of qh[j] = 5th bit of weight j of sub-block s), qs[128]
+  static constexpr int kBlock = 256, kBytes = 176;
+  static constexpr bool kTail = false;
+  using Scales = SubBlockScales;
+  static void prepare(const uint8_t* b, Scales& s) { k_quant_scales(b, s); }
+  static vec load(const uint8_t* b, const Scales& s, int e) {
+    const int sub = e / 32;
+    const __m128i low = nibbles(load_bytes(b + 48 + 32 * (sub / 2) + e % 32), sub % 2);
+    const __m128i high = _mm_slli_epi16(bit_field(load_bytes(b + 16 + e % 32), sub, 1), 4);
+    return vsub(vmul(vset1(s.d[sub]), u8_to_vec(_mm_or_si128(low, high))), vset1(s.dm[sub]));
+  }
+};
+
+struct Q6_KFormat {  // ql[128], qh[64], scales int8[16] (one per 16 weights), d fp16
+  static constexpr int kBlock = 256, kBytes = 210;
+  static constexpr bool kTail = false;
+  struct Scales { float d[16]; };  // d * scale per 16 weights
+  static void prepare(const uint8_t* b, Scales& s) {
+    const float d = fp16_to_fp32(b + 208);
+    for (int i = 0; i < 16; ++i) s.d[i] = d * (float)(int8_t)b[192 + i];
+  }
+  // weight 128h + r: low 4 bits from ql[64h + r % 64] (nibble r / 64), high 2 from qh[32h + r % 32] (bits 2 (r / 32))
+  static vec load(const uint8_t* b, const Scales& s, int e) {  // (d * scale) * (q - 32)
+    const int h = e / 128, r = e % 128;
+    const __m128i low = nibbles(load_bytes(b + 64 * h + r % 64), r >= 64);
+    const __m128i high = _mm_slli_epi16(bit_field(load_bytes(b + 128 + 32 * h + r % 32), 2 * (r / 32), 3), 4);
+    const __m128i q = _mm_sub_epi8(_mm_or_si128(low, high), _mm_set1_epi8(32));
+    return vmul(vset1(s.d[e / 16]), i8_to_vec(q));
+  }
+};
+
 // What one micro-tile call works on: MR rows of x times NR rows of w, over K range [k_begin, k_end).
-template <typename WT>
 struct TileArgs {
   const float* x;       // first x row of the block (row stride ldx)
   int64_t ldx;
-  const WT* w;          // first w row of the tile (row stride ldw)
+  const uint8_t* w;     // first w row of the tile (row stride ldw bytes)
   int64_t ldw;
   int64_t K, k_begin, k_end;  // k_end == K: finish (tail chunk, horizontal sums, epilogue)
   float* saved;         // MR * NR partial accumulators (V floats each) carried between K ranges
@@ -134,7 +307,7 @@ struct TileArgs {
   const float* bias;    // or null
   float* y;
   int64_t ldy;
-  const WT* prefetch;   // see below, or null
+  const uint8_t* prefetch;  // see below, or null
   int64_t pf_phase, pf_stride;
 };
 
@@ -146,35 +319,42 @@ struct TileArgs {
 // prefetcher alone (measured: 1-row calls ~1.3-1.7x faster). With several row blocks, block
 // `pf_phase` of `pf_stride` fetches every pf_stride-th cache line, so the fetches spread over
 // all blocks and overlap their compute.
-template <typename WT, int MR, int NR>
-void micro_tile(const TileArgs<WT>& a) {
+template <typename Fmt, int MR, int NR>
+void micro_tile(const TileArgs& a) {
   vec acc[MR][NR];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
     for (int c = 0; c < NR; ++c) acc[r][c] = a.k_begin == 0 ? vzero() : vload(a.saved + (r * NR + c) * V);
-  const int64_t k_full = a.K - a.K % V;
+  const int64_t k_full = Fmt::kTail ? a.K - a.K % V : a.K;
   const int64_t loop_end = std::min(a.k_end, k_full);
-  constexpr int64_t kLine = 64 / sizeof(WT);  // elements per cache line
-  int64_t next_prefetch = a.K;                // element offset of the next line to prefetch
+  constexpr int64_t kLine = 64;            // bytes per cache line
+  int64_t next_prefetch = INT64_MAX;       // byte offset of the next line to prefetch
   if (a.prefetch) {
-    const int64_t line = a.k_begin / kLine;
+    const int64_t line = a.k_begin / Fmt::kBlock * Fmt::kBytes / kLine;
     next_prefetch = (line + ((a.pf_phase - line % a.pf_stride) % a.pf_stride + a.pf_stride) % a.pf_stride) * kLine;
   }
-  for (int64_t kk = a.k_begin; kk < loop_end; kk += V) {
-    if (kk == next_prefetch) {
+  for (int64_t kb = a.k_begin; kb < loop_end; kb += Fmt::kBlock) {
+    const int64_t offset = kb / Fmt::kBlock * Fmt::kBytes;  // of this block in each w row
+    while (next_prefetch < offset + Fmt::kBytes) {
 #pragma GCC unroll 8
-      for (int c = 0; c < NR; ++c) _mm_prefetch((const char*)(a.prefetch + c * a.ldw + kk), _MM_HINT_T1);
+      for (int c = 0; c < NR; ++c) _mm_prefetch((const char*)(a.prefetch + c * a.ldw + next_prefetch), _MM_HINT_T1);
       next_prefetch += a.pf_stride * kLine;
     }
-    vec wv[NR];
+    typename Fmt::Scales scales[NR];
 #pragma GCC unroll 8
-    for (int c = 0; c < NR; ++c) wv[c] = load_w(a.w + c * a.ldw + kk);
+    for (int c = 0; c < NR; ++c) Fmt::prepare(a.w + c * a.ldw + offset, scales[c]);
+#pragma GCC unroll 32
+    for (int e = 0; e < Fmt::kBlock; e += V) {
+      vec wv[NR];
 #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      const vec xv = vload(a.x + r * a.ldx + kk);
+      for (int c = 0; c < NR; ++c) wv[c] = Fmt::load(a.w + c * a.ldw + offset, scales[c], e);
 #pragma GCC unroll 8
-      for (int c = 0; c < NR; ++c) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
+      for (int r = 0; r < MR; ++r) {
+        const vec xv = vload(a.x + r * a.ldx + kb + e);
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; ++c) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
+      }
     }
   }
   if (a.k_end < a.K) {
@@ -184,16 +364,19 @@ void micro_tile(const TileArgs<WT>& a) {
       for (int c = 0; c < NR; ++c) vstore(a.saved + (r * NR + c) * V, acc[r][c]);
     return;
   }
-  if (a.K % V) {
-    const tail_mask m = make_tail_mask(a.K % V);
-    vec wv[NR];
+  if constexpr (Fmt::kTail) {
+    if (a.K % V) {
+      const tail_mask m = make_tail_mask(a.K % V);
+      const int64_t offset = k_full / Fmt::kBlock * Fmt::kBytes;
+      vec wv[NR];
 #pragma GCC unroll 8
-    for (int c = 0; c < NR; ++c) wv[c] = load_w_tail(a.w + c * a.ldw + k_full, a.K % V, m);
+      for (int c = 0; c < NR; ++c) wv[c] = Fmt::load_tail(a.w + c * a.ldw + offset, a.K % V, m);
 #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      const vec xv = vload_tail(a.x + r * a.ldx + k_full, m);
+      for (int r = 0; r < MR; ++r) {
+        const vec xv = vload_tail(a.x + r * a.ldx + k_full, m);
 #pragma GCC unroll 8
-      for (int c = 0; c < NR; ++c) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
+        for (int c = 0; c < NR; ++c) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
+      }
     }
   }
 #pragma GCC unroll 8
@@ -207,26 +390,26 @@ void micro_tile(const TileArgs<WT>& a) {
     }
 }
 
-template <typename WT>
-using tile_fn = void (*)(const TileArgs<WT>&);
+using tile_fn = void (*)(const TileArgs&);
 
 // Every (rows, cols) block size from 1x1 up to MR x NR, for the edges of M and N.
-template <typename WT, std::size_t... I>
-constexpr std::array<tile_fn<WT>, sizeof...(I)> make_tile_table(std::index_sequence<I...>) {
-  return {micro_tile<WT, (int)(I / kColsPerTile) + 1, (int)(I % kColsPerTile) + 1>...};
+template <typename Fmt, std::size_t... I>
+constexpr std::array<tile_fn, sizeof...(I)> make_tile_table(std::index_sequence<I...>) {
+  return {micro_tile<Fmt, (int)(I / kColsPerTile) + 1, (int)(I % kColsPerTile) + 1>...};
 }
-template <typename WT>
-constexpr auto kTileTable = make_tile_table<WT>(std::make_index_sequence<kMaxRowsPerTile * kColsPerTile>{});
+template <typename Fmt>
+constexpr auto kTileTable = make_tile_table<Fmt>(std::make_index_sequence<kMaxRowsPerTile * kColsPerTile>{});
 
-template <typename WT>
-inline tile_fn<WT> pick_tile(int mr, int nr) {
-  return kTileTable<WT>[(mr - 1) * kColsPerTile + (nr - 1)];
+template <typename Fmt>
+inline tile_fn pick_tile(int mr, int nr) {
+  return kTileTable<Fmt>[(mr - 1) * kColsPerTile + (nr - 1)];
 }
 
 struct LinearJob {
   const float* x;
   int64_t M, K;
-  const void* w;         // [N, K] fp32 or int8
+  const uint8_t* w;      // [N, row_bytes]: fp32, int8 or GGUF blocks
+  int64_t row_bytes;
   const float* scale;    // [N] per-row dequantisation scale (int8) or null
   int64_t N;
   const float* bias;
@@ -240,7 +423,7 @@ struct LinearJob {
 // With several row blocks, K is walked in kKChunk pieces with all row blocks advancing together,
 // so the weight stream and the arithmetic of every block overlap (one block after another
 // would leave memory idle while the later blocks compute).
-template <typename WT>
+template <typename Fmt>
 void run_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
   const int64_t max_blocks = (std::min(job.rows_per_panel, job.M) + kMaxRowsPerTile - 1) / kMaxRowsPerTile;
   std::vector<float> saved((size_t)(max_blocks * kMaxRowsPerTile * kColsPerTile * V));
@@ -251,14 +434,15 @@ void run_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
     for (int64_t t = tile_begin; t < tile_end; ++t) {
       const int64_t j0 = t * kColsPerTile;
       const int nr = (int)std::min<int64_t>(kColsPerTile, job.N - j0);
-      TileArgs<WT> args;
-      args.w = static_cast<const WT*>(job.w) + j0 * job.K;
-      args.ldx = args.ldw = args.K = job.K;
+      TileArgs args;
+      args.w = job.w + j0 * job.row_bytes;
+      args.ldw = job.row_bytes;
+      args.ldx = args.K = job.K;
       args.scale = job.scale ? job.scale + j0 : nullptr;
       args.bias = job.bias ? job.bias + j0 : nullptr;
       args.ldy = job.N;
       // prefetch the tile kPrefetchTiles ahead (within this thread's range) while computing this one
-      args.prefetch = t + kPrefetchTiles < tile_end ? args.w + kPrefetchTiles * kColsPerTile * job.K : nullptr;
+      args.prefetch = t + kPrefetchTiles < tile_end ? args.w + kPrefetchTiles * kColsPerTile * job.row_bytes : nullptr;
       args.pf_stride = row_blocks;
       for (int64_t k0 = 0; k0 < job.K; k0 += k_chunk) {
         args.k_begin = k0;
@@ -270,10 +454,50 @@ void run_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
           args.y = job.y + row * job.N + j0;
           args.saved = saved.data() + block * kMaxRowsPerTile * kColsPerTile * V;
           args.pf_phase = block;
-          pick_tile<WT>(mr, nr)(args);
+          pick_tile<Fmt>(mr, nr)(args);
         }
       }
     }
+  }
+}
+
+// Rows of a block-format weight written out as fp32 (an embedding lookup), with the same
+// per-weight expressions as the linear.
+template <typename Fmt>
+void dequantize_row(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t kb = 0; kb < K; kb += Fmt::kBlock) {
+    const uint8_t* block = row + kb / Fmt::kBlock * Fmt::kBytes;
+    typename Fmt::Scales scales;
+    Fmt::prepare(block, scales);
+#pragma GCC unroll 32
+    for (int e = 0; e < Fmt::kBlock; e += V) vstore(out + kb + e, Fmt::load(block, scales, e));
+  }
+}
+
+// The GGUF formats by ggml type id (GGMLQuantizationType).
+struct BlockFormat {
+  int block, bytes;
+  void (*run_tiles)(const LinearJob&, int64_t, int64_t);
+  void (*dequantize_row)(const uint8_t*, int64_t, float*);
+};
+template <typename Fmt>
+constexpr BlockFormat block_format() {
+  return {Fmt::kBlock, Fmt::kBytes, run_tiles<Fmt>, dequantize_row<Fmt>};
+}
+const BlockFormat* find_block_format(int ggml_type) {
+  static const BlockFormat q4_0 = block_format<Q4_0Format>(), q4_1 = block_format<Q4_1Format>(),
+                           q5_0 = block_format<Q5_0Format>(), q8_0 = block_format<Q8_0Format>(),
+                           q4_k = block_format<Q4_KFormat>(), q5_k = block_format<Q5_KFormat>(),
+                           q6_k = block_format<Q6_KFormat>();
+  switch (ggml_type) {
+    case 2: return &q4_0;
+    case 3: return &q4_1;
+    case 6: return &q5_0;
+    case 8: return &q8_0;
+    case 12: return &q4_k;
+    case 13: return &q5_k;
+    case 14: return &q6_k;
+    default: return nullptr;
   }
 }
 
@@ -431,7 +655,7 @@ int sg_linear_f32(const float* x, int64_t M, int64_t K, const float* w, int64_t 
                   int num_threads) {
   int status;
   if (bad_shape(x, M, K, w, N, y, &status)) return status;
-  LinearJob job{x, M, K, w, nullptr, N, bias, y, 0, 0, run_tiles<float>};
+  LinearJob job{x, M, K, (const uint8_t*)w, K * 4, nullptr, N, bias, y, 0, 0, run_tiles<F32Format>};
   return run_linear(job, num_threads);
 }
 
@@ -441,8 +665,40 @@ int sg_linear_i8(const float* x, int64_t M, int64_t K, const int8_t* q, int64_t 
   int status;
   if (bad_shape(x, M, K, q, N, y, &status)) return status;
   if (!scale) return 1;
-  LinearJob job{x, M, K, q, scale, N, bias, y, 0, 0, run_tiles<int8_t>};
+  LinearJob job{x, M, K, (const uint8_t*)q, K, scale, N, bias, y, 0, 0, run_tiles<Int8Format>};
   return run_linear(job, num_threads);
+}
+
+// Weights of `ggml_type` per block, or 0 when the kernel does not know the type.
+int sg_block_size(int ggml_type) {
+  const BlockFormat* f = find_block_format(ggml_type);
+  return f ? f->block : 0;
+}
+// Bytes per block of `ggml_type`, or 0.
+int sg_block_bytes(int ggml_type) {
+  const BlockFormat* f = find_block_format(ggml_type);
+  return f ? f->bytes : 0;
+}
+
+// GGUF block weights: y = x @ dequantize(w)^T (+ bias), bitwise the fp32 kernel on the
+// dequantized matrix. w [N, K / block * bytes] (ggml row layout); K a multiple of the block size.
+int sg_linear_gguf(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int ggml_type,
+                   const float* bias, float* y, int num_threads) {
+  const BlockFormat* f = find_block_format(ggml_type);
+  if (!f || K % f->block) return 1;
+  int status;
+  if (bad_shape(x, M, K, w, N, y, &status)) return status;
+  LinearJob job{x, M, K, w, K / f->block * f->bytes, nullptr, N, bias, y, 0, 0, f->run_tiles};
+  return run_linear(job, num_threads);
+}
+
+// out[i, :] = dequantize(w[rows[i], :]) for i < n (an embedding lookup); rows must be in [0, N).
+int sg_dequantize_rows(const uint8_t* w, int64_t K, int ggml_type, const int64_t* rows, int64_t n, float* out) {
+  const BlockFormat* f = find_block_format(ggml_type);
+  if (!f || K <= 0 || K % f->block || n < 0) return 1;
+  const int64_t row_bytes = K / f->block * f->bytes;
+  for (int64_t i = 0; i < n; ++i) f->dequantize_row(w + rows[i] * row_bytes, K, out + i * K);
+  return 0;
 }
 
 }  // extern "C"

@@ -1,0 +1,153 @@
+"""GGUF weights as the file stores them: linear and embedding modules over ggml blocks.
+
+A GGUF model's weights are quantized blocks (Q4_K, Q6_K, Q8_0, ...). `GGUFLinear` keeps them as
+they are ([out, in / block * bytes] uint8, ggml's row layout) and the batch-invariant kernel
+dequantizes each weight in registers with gguf-py's own per-weight expression before the fixed
+order fp32 FMA accumulation (`csrc/skinny_gemm.cpp`). So
+
+    GGUFLinear(blocks, type, K)(x) == FastLinear on dequantize_blocks(blocks, type)   (bitwise)
+
+for every row count and thread count, while reading ~4-7x fewer bytes than the fp32 matrix and
+never materialising it. `GGUFEmbedding` dequantizes only the looked-up rows.
+
+Both modules keep the blocks in a `weight` Parameter (uint8, no grad) so byte counts over
+`parameters()` and weight tying work as for nn.Linear; `fp32_weight()` is the dense matrix for
+code that needs one (training heads, other dtypes, autograd: a temporary copy each call).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .skinny_gemm import CppSkinnyLinear
+
+# The GGUF block types the kernel computes on (ggml type ids, as gguf.GGMLQuantizationType).
+KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+_FP32 = torch.float32
+
+
+def type_name(ggml_type: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(int(ggml_type)).name
+
+
+def block_layout(ggml_type: int) -> tuple[int, int]:
+    """(weights, bytes) per block, from gguf-py's table."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(int(ggml_type))]
+
+
+def dequantize_blocks(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """blocks [N, row_bytes] uint8 -> fp32 [N, K] exactly as `gguf.quants.dequantize` computes it
+    (the dequantized-fp32 path and the reference the kernel must equal bitwise)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    array = dequantize(blocks.detach().cpu().numpy(), GGMLQuantizationType(int(ggml_type)))
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+
+
+def _checked_blocks(blocks: torch.Tensor, ggml_type: int, in_features: int, backend: CppSkinnyLinear) -> None:
+    name = type_name(ggml_type)
+    layout = backend.library.block_layout(ggml_type)
+    if layout is None or int(ggml_type) not in KERNEL_TYPES.values():
+        raise ValueError(f"the kernel does not compute on GGUF type {name}; it knows {', '.join(KERNEL_TYPES)}")
+    if layout != block_layout(ggml_type):
+        raise RuntimeError(f"kernel block layout {layout} for {name} differs from gguf's {block_layout(ggml_type)}")
+    block, nbytes = layout
+    if in_features % block:
+        raise ValueError(f"{name} rows hold a multiple of {block} weights; in_features is {in_features}")
+    row_bytes = in_features // block * nbytes
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes or not blocks.is_contiguous():
+        raise ValueError(
+            f"{name} weight must be contiguous uint8 [out, {row_bytes}] for {in_features} inputs; "
+            f"got {blocks.dtype} {tuple(blocks.shape)}"
+        )
+
+
+def _as_parameter(tensor: torch.Tensor | None) -> nn.Parameter | None:
+    if tensor is None or isinstance(tensor, nn.Parameter):
+        return tensor
+    return nn.Parameter(tensor, requires_grad=False)
+
+
+class GGUFLinear(nn.Module):
+    """y = x W^T (+ b) with W kept as GGUF blocks; bitwise the kernel on the dequantized W."""
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None = None,
+                 backend: CppSkinnyLinear | None = None):
+        super().__init__()
+        self.backend = backend or CppSkinnyLinear()
+        _checked_blocks(blocks, ggml_type, in_features, self.backend)
+        self.weight = _as_parameter(blocks)  # [out, in / block * bytes] uint8; tied weights share it
+        self.bias = _as_parameter(bias)  # [out] fp32 or None
+        self.ggml_type = int(ggml_type)
+        self.in_features = in_features
+        self.out_features = blocks.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        bias = self.bias
+        if (
+            x.dtype is _FP32 and x.is_cpu and x.shape[-1] == self.in_features and x.numel() > 0
+            and not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))
+            and (bias is None or (bias.dtype is _FP32 and bias.is_contiguous()))
+        ):  # fmt: skip
+            if not x.is_contiguous():
+                x = x.contiguous()
+            return self.backend.library.linear_gguf(x, self.weight, self.ggml_type, bias, torch.get_num_threads())
+        # other dtypes, autograd, empty or mis-shaped input: F.linear on a temporary dense copy
+        weight = self.fp32_weight().to(x.dtype)
+        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+    def fp32_weight(self) -> torch.Tensor:
+        """The dequantized matrix [out, in] fp32 (a new tensor each call)."""
+        return dequantize_blocks(self.weight, self.ggml_type)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"type={type_name(self.ggml_type)}")
+
+
+class GGUFEmbedding(nn.Module):
+    """An embedding table kept as GGUF blocks: a lookup dequantizes only the rows it returns."""
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: int, embedding_dim: int, backend: CppSkinnyLinear | None = None):
+        super().__init__()
+        self.backend = backend or CppSkinnyLinear()
+        _checked_blocks(blocks, ggml_type, embedding_dim, self.backend)
+        self.weight = _as_parameter(blocks)  # [vocab, dim / block * bytes] uint8
+        self.ggml_type = int(ggml_type)
+        self.num_embeddings = blocks.shape[0]
+        self.embedding_dim = embedding_dim
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # tokens [...] -> [..., dim] fp32
+        tokens = tokens.to(torch.int64)
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings}): {tokens.min()}..{tokens.max()}")
+        return self.backend.library.dequantize_rows(self.weight, self.ggml_type, self.embedding_dim, tokens.cpu())
+
+    def fp32_weight(self) -> torch.Tensor:
+        """The dequantized table [vocab, dim] fp32 (a new tensor each call)."""
+        return dequantize_blocks(self.weight, self.ggml_type)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={type_name(self.ggml_type)}"
+
+
+def gguf_module(module: nn.Module, blocks: torch.Tensor, ggml_type: int, bias: torch.Tensor | None,
+                backend: CppSkinnyLinear) -> nn.Module:
+    """The GGUF counterpart of an nn.Linear or nn.Embedding of the same shape (possibly on meta)."""
+    if isinstance(module, nn.Embedding):
+        if bias is not None:
+            raise ValueError("an embedding has no bias")
+        return GGUFEmbedding(blocks, ggml_type, module.embedding_dim, backend)
+    if isinstance(module, nn.Linear):
+        if blocks.shape[0] != module.out_features:
+            raise ValueError(f"{type_name(ggml_type)} weight has {blocks.shape[0]} rows, the layer {module.out_features} outputs")
+        return GGUFLinear(blocks, ggml_type, module.in_features, bias, backend)
+    raise TypeError(f"only nn.Linear and nn.Embedding can hold GGUF blocks, not {type(module).__name__}")
