@@ -12,6 +12,7 @@ child first. See specdec.verify for what `draft_probs` must contain.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
@@ -250,3 +251,59 @@ def tree_template_from_choices(choices: Sequence[Sequence[int]]) -> TreeTemplate
         ranks=tuple(path[-1] for path in ordered),
         depths=tuple(len(path) for path in ordered),
     )
+
+
+class ScoredTree:
+    """A draft tree grown by top-k expansion, each node scored by the cumulative draft
+    log-probability of its root-to-node path (SpecInfer / EAGLE-2). Nodes are numbered in creation
+    order (parents first); `best_subtree(n)` reranks every node and keeps the n best, which is a
+    tree because a child never scores above its parent. Model drafters (a draft LM, EAGLE) grow it
+    with their own forwards; every proposal it makes is deterministic (draft_probs None)."""
+
+    def __init__(self, topk: int):
+        self.topk = topk
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = []  # cumulative draft log-probability of the root-to-node path
+        self.paths: list[tuple[int, ...]] = []  # node ids root-to-node (inclusive)
+
+    def depth(self, node: int) -> int:
+        return len(self.paths[node])
+
+    def expand(self, parent: int, log_probs: torch.Tensor, token_ids: torch.Tensor | None = None) -> list[int]:
+        """Add the top-k children of `parent` (-1 = the root) from draft log-probabilities [V'];
+        `token_ids` [V'] maps an index to its token id (None: the index is the id)."""
+        values, indices = torch.topk(log_probs, min(self.topk, log_probs.shape[0]))
+        tokens = indices if token_ids is None else token_ids[indices]
+        base = 0.0 if parent < 0 else self.scores[parent]
+        prefix = () if parent < 0 else self.paths[parent]
+        children = []
+        for value, token in zip(values.tolist(), tokens.tolist()):
+            if value == -math.inf:
+                break
+            node = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.scores.append(base + value)
+            self.paths.append(prefix + (node,))
+            children.append(node)
+        return children
+
+    def best(self, nodes: Sequence[int], count: int) -> list[int]:
+        """The `count` best-scoring of `nodes`, best first."""
+        return sorted(nodes, key=lambda node: -self.scores[node])[:count]
+
+    def cannot_improve(self, frontier: Sequence[int], budget: int) -> bool:
+        """True when `budget` nodes already beat the best frontier node: no deeper node can enter the best-n tree."""
+        best = max(self.scores[node] for node in frontier)
+        return sum(score > best for score in self.scores) >= budget
+
+    def best_subtree(self, budget: int) -> Draft:
+        """The `budget` best nodes by path score (ancestor-closed), parents first, best sibling first."""
+        order = sorted(range(len(self.tokens)), key=lambda n: (-self.scores[n], len(self.paths[n]), n))
+        chosen = sorted(order[:budget], key=lambda n: (len(self.paths[n]), self.paths[n][:-1], -self.scores[n], n))
+        # sorting by (depth, parent path) keeps every parent before its children
+        new_index = {node: i for i, node in enumerate(chosen)}
+        parents = [-1 if self.parents[n] < 0 else new_index[self.parents[n]] for n in chosen]
+        tokens = torch.tensor([self.tokens[n] for n in chosen], dtype=torch.long)
+        return Draft(tokens, torch.tensor(parents, dtype=torch.long), None)

@@ -34,7 +34,7 @@ def test_checkpoint_round_trip_keeps_keys_and_outputs(tiny_target, tmp_path, kin
     loaded, config = load_checkpoint(tmp_path, tiny_target)
     assert config["head"]["kind"] == kind and loaded.state_dict().keys() == heads.state_dict().keys()
     parts = FrozenTargetParts.from_target(tiny_target)
-    hidden = torch.randn(1, 4, tiny_target.hidden_size)
+    hidden = torch.randn(1, 4, tiny_target.hidden_size * len(heads.input_layers))  # EAGLE-3 fuses three layers
     tokens, positions = torch.tensor([[5, 6, 7, 8]]), torch.arange(4)[None]
     with torch.no_grad():
         assert torch.equal(loaded(hidden, tokens, positions, parts), heads.eval()(hidden, tokens, positions, parts))

@@ -6,7 +6,7 @@ The checkpoint decides the flavour (specdec.heads):
   of the target's last block). Each head keeps a small KV cache over the committed positions, fed
   with the trunk rows the verify forward returns; head k's next-token distribution is draft depth k.
   Proposal: a chain of the K heads' tokens, or with `tree=true` a Medusa-style static top-k tree.
-* `mtp-sequential` (DeepSeek-V3 style): one module [RMSNorm(hidden); RMSNorm(embed(next token))] ->
+* `mtp-sequential` (DeepSeek-V3 style; run by the EAGLE drafters' ChainRunner): one module [RMSNorm(hidden); RMSNorm(embed(next token))] ->
   linear -> transformer block -> target's final norm + LM head, chained: depth 1 reads the target's
   last hidden state and the root, depth d reads depth d - 1's output and draft token d - 1. Its KV
   cache holds depth-1 keys of the committed positions (computed once, when they are verified) and,
@@ -25,8 +25,6 @@ Lossless either way:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ..checks import check_int
@@ -34,34 +32,23 @@ from ..draft import Draft
 from ..sampling import sample_from_probs, warp_logits_to_probs
 from ..heads import DraftVocab, FrozenTargetParts, MTPParallelHeads, MTPSequentialModule, grow_cache, load_checkpoint
 from .base import DraftContext, Drafter, register_drafter
+from .eagle import ChainRunner, Choose, new_hidden_rows
 from .medusa import DEFAULT_DRAFT_VOCAB, DEFAULT_TREE_NODES, build_choice_tree, draft_from_candidates, heads_cost_tokens, top_candidates
 
 _CACHE_HEADROOM = 64
-Choose = Callable[[torch.Tensor], tuple[int, torch.Tensor | None]]  # draft logits [V'] -> (token id, q row [V] or None)
-
-
-def _new_rows(ctx: DraftContext, layer: int, cached: int) -> tuple[torch.Tensor | None, int]:
-    """(rows [n, H] just cached by the target, their first position), checked against our cache."""
-    rows = ctx.new_hidden.get(layer)
-    if rows is None or rows.shape[0] == 0:
-        return None, cached
-    start = len(ctx.tokens) - 1 - rows.shape[0]  # the root (last token) is not cached yet
-    if start != cached:
-        raise RuntimeError(f"mtp drafter out of sync: {cached} positions cached, new target rows start at {start}")
-    return rows, start
 
 
 class _ParallelRunner:
     """Per-sequence state of MTP parallel heads: their KV cache and the newest row's features."""
 
-    def __init__(self, heads: MTPParallelHeads, parts: FrozenTargetParts, target, prompt_len: int):
-        self.heads, self.parts = heads, parts
+    def __init__(self, heads: MTPParallelHeads, vocab: DraftVocab, target, prompt_len: int):
+        self.heads, self.parts = heads, vocab.parts
         self.cache = heads.new_cache(prompt_len + _CACHE_HEADROOM, target.dtype, target.device)
         self.features: torch.Tensor | None = None  # [K, H] head outputs at the newest cached position
 
     def absorb(self, ctx: DraftContext) -> None:
         cached = int(self.cache.lengths[0])
-        rows, start = _new_rows(ctx, self.heads.input_layer, cached)
+        rows, start = new_hidden_rows(ctx, self.heads.input_layers, cached)
         if rows is None:
             return
         self.cache = grow_cache(self.cache, start + rows.shape[0] + _CACHE_HEADROOM)
@@ -74,49 +61,12 @@ class _ParallelRunner:
     def logits(self, depth: int) -> torch.Tensor:
         return self.heads.project(self.features[:depth], self.parts).float()  # [depth, V'] (draft vocabulary)
 
-    def chain(self, ctx: DraftContext, length: int, choose: Choose):
+    def chain(self, length: int, choose: Choose):
         logits = self.logits(min(length, self.heads.num_positions))
         return [choose(row) for row in logits]
 
 
-class _SequentialRunner:
-    """Per-sequence state of the chained MTP module: its KV cache and the newest depth-1 output."""
-
-    def __init__(self, heads: MTPSequentialModule, parts: FrozenTargetParts, target, prompt_len: int):
-        # parts = the draft vocabulary's: embeddings from the full table (any committed token), logits over V'
-        self.heads, self.parts = heads, parts
-        self.cache = heads.new_cache(prompt_len + _CACHE_HEADROOM, target.dtype, target.device)
-        self.last_output: torch.Tensor | None = None  # [1, 1, H] depth-1 output at the newest cached position
-
-    def absorb(self, ctx: DraftContext) -> None:
-        cached = int(self.cache.lengths[0])
-        rows, start = _new_rows(ctx, self.heads.input_layer, cached)
-        if rows is None:
-            return
-        num_new = rows.shape[0]
-        self.cache = grow_cache(self.cache, start + num_new + _CACHE_HEADROOM)
-        next_tokens = torch.tensor([ctx.tokens[start + 1 : start + 1 + num_new]])  # [1, n]: all committed
-        positions = torch.arange(start, start + num_new)[None]
-        self.last_output = self.heads.step(rows[None], next_tokens, positions, self.cache, self.parts)[:, -1:]
-
-    def ready(self) -> bool:
-        return self.last_output is not None
-
-    def chain(self, ctx: DraftContext, length: int, choose: Choose):
-        committed = int(self.cache.lengths[0])
-        self.cache = grow_cache(self.cache, committed + length + _CACHE_HEADROOM)
-        previous, picks = self.last_output, []
-        for depth in range(1, length + 1):
-            if depth > 1:  # depth d sits at position (newest cached) + d - 1 and reads draft token d - 1
-                token = torch.tensor([[picks[-1][0]]])
-                position = torch.tensor([[committed + depth - 2]])
-                previous = self.heads.step(previous, token, position, self.cache, self.parts)
-            picks.append(choose(self.heads.project(previous[0, 0], self.parts).float()))
-        self.cache.truncate(committed)  # forget the chain's keys: only verified positions stay
-        return picks
-
-
-_RUNNERS = {MTPParallelHeads: _ParallelRunner, MTPSequentialModule: _SequentialRunner}
+_RUNNERS = {MTPParallelHeads: _ParallelRunner, MTPSequentialModule: ChainRunner}
 
 
 @register_drafter
@@ -180,7 +130,7 @@ class MTPDrafter(Drafter):
         return self._cost_tokens
 
     def begin(self, prompt_ids, target) -> None:
-        self.runner = _RUNNERS[type(self.heads)](self.heads, self.vocab.parts, self.target, len(prompt_ids))
+        self.runner = _RUNNERS[type(self.heads)](self.heads, self.vocab, self.target, len(prompt_ids))
 
     @torch.inference_mode()
     def on_verified(self, result, ctx: DraftContext) -> None:
@@ -205,7 +155,7 @@ class MTPDrafter(Drafter):
             template = self.tree.for_budget(budget)
             logits = self.runner.logits(template.max_depth)  # [D, V']
             return draft_from_candidates(template, top_candidates(template, logits, self.vocab))
-        picks = self.runner.chain(ctx, min(budget, self._max_chain), self._chooser(ctx))
+        picks = self.runner.chain(min(budget, self._max_chain), self._chooser(ctx))
         tokens = torch.tensor([token for token, _ in picks], dtype=torch.long)
         if picks[0][1] is None:
             return Draft.chain(tokens)

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..checks import check_positive_int
-from ..draft import Draft
+from ..draft import Draft, ScoredTree
 from ..kv_cache import KVCache
 from ..models.base import Target
 from ..sampling import sample_from_probs, warp_logits_to_probs
@@ -249,59 +249,37 @@ class ModelDrafter(Drafter):
     # ------------------------------------------------------------------ tree
     def _propose_tree(self, ctx: DraftContext, budget: int, root_logits: torch.Tensor) -> Draft:
         tree = _TreeBuilder(self.lm, ctx, self.tree_topk)
-        level = tree.expand(-1, root_logits)
+        level = tree.expand(-1, tree.log_probs(root_logits))
         for _ in range(2, min(self.tree_depth, budget) + 1):
-            frontier = sorted(level, key=lambda node: -tree.scores[node])[: self.tree_beam]
-            if not frontier:
-                break
-            # children score <= their parent: if `budget` nodes already beat the best frontier
-            # node, no deeper node can enter the tree, so stop drafting
-            best = tree.scores[frontier[0]]
-            if sum(score > best for score in tree.scores) >= budget:
+            frontier = tree.best(level, self.tree_beam)
+            if not frontier or tree.cannot_improve(frontier, budget):
                 break
             rows = tree.node_logits(frontier)  # [len(frontier), V], one draft forward
-            level = [child for node, row in zip(frontier, rows) for child in tree.expand(node, row)]
+            level = [child for node, row in zip(frontier, rows) for child in tree.expand(node, tree.log_probs(row))]
         draft = tree.best_subtree(budget)
         tree.finish()
         return draft
 
 
-class _TreeBuilder:
-    """Grows a top-k draft tree; nodes are numbered in creation order (parents first)."""
+def draft_log_probs(logits: torch.Tensor, sampling) -> torch.Tensor:
+    """Draft log-probabilities that rank tree candidates [V]: warped like the target when sampling
+    (tokens the target cannot emit get -inf), the raw distribution when greedy."""
+    if sampling.greedy:
+        return torch.log_softmax(logits, dim=-1)
+    return warp_logits_to_probs(logits, sampling).log()
+
+
+class _TreeBuilder(ScoredTree):
+    """A ScoredTree grown with a DraftLM: node slots live in the draft model's cache."""
 
     def __init__(self, lm: DraftLM, ctx: DraftContext, topk: int):
-        self.lm, self.ctx, self.topk = lm, ctx, topk
-        self.tokens: list[int] = []
-        self.parents: list[int] = []
-        self.scores: list[float] = []  # cumulative draft log-probability of the root-to-node path
-        self.paths: list[tuple[int, ...]] = []  # node ids root-to-node (inclusive)
+        super().__init__(topk)
+        self.lm, self.ctx = lm, ctx
         self.slot_nodes: list[int] = []  # nodes written to the draft cache after the committed tokens
         self.last_logits: dict[int, torch.Tensor] = {}
 
-    def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft log-probabilities used to rank candidates [V]: warped like the target when sampling
-        (tokens the target cannot emit get -inf), the raw distribution when greedy."""
-        if self.ctx.sampling.greedy:
-            return torch.log_softmax(logits, dim=-1)
-        return warp_logits_to_probs(logits, self.ctx.sampling).log()
-
-    def expand(self, parent: int, logits: torch.Tensor) -> list[int]:
-        """Add the top-k children of `parent` (-1 = root) given its draft logits [V]."""
-        log_probs = self._log_probs(logits)  # [V]
-        values, indices = torch.topk(log_probs, min(self.topk, log_probs.shape[0]))
-        base = 0.0 if parent < 0 else self.scores[parent]
-        prefix = () if parent < 0 else self.paths[parent]
-        children = []
-        for value, token in zip(values.tolist(), indices.tolist()):
-            if value == -math.inf:
-                break
-            node = len(self.tokens)
-            self.tokens.append(token)
-            self.parents.append(parent)
-            self.scores.append(base + value)
-            self.paths.append(prefix + (node,))
-            children.append(node)
-        return children
+    def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return draft_log_probs(logits, self.ctx.sampling)
 
     def node_logits(self, frontier: list[int]) -> torch.Tensor:
         """Draft logits [F, V] after each frontier node, from one forward under a tree mask.
@@ -332,16 +310,6 @@ class _TreeBuilder:
         for row, node in enumerate(needed):
             self.last_logits[node] = logits[row]
         return logits[[index_of[node] for node in frontier]]
-
-    def best_subtree(self, budget: int) -> Draft:
-        """The `budget` best nodes by path score (ancestor-closed), parents first, best sibling first."""
-        order = sorted(range(len(self.tokens)), key=lambda n: (-self.scores[n], len(self.paths[n]), n))
-        chosen = sorted(order[:budget], key=lambda n: (len(self.paths[n]), self.paths[n][:-1], -self.scores[n], n))
-        # sorting by (depth, parent path) keeps every parent before its children
-        new_index = {node: i for i, node in enumerate(chosen)}
-        parents = [-1 if self.parents[n] < 0 else new_index[self.parents[n]] for n in chosen]
-        tokens = torch.tensor([self.tokens[n] for n in chosen], dtype=torch.long)
-        return Draft(tokens, torch.tensor(parents, dtype=torch.long), None)
 
     def finish(self) -> None:
         """Keep the written node slots when they form a plain chain from the root, else drop them."""

@@ -1,4 +1,4 @@
-"""Draft head modules on a frozen target (Medusa, MTP) and their checkpoints.
+"""Draft head modules on a frozen target (Medusa, MTP, EAGLE-1, EAGLE-3) and their checkpoints.
 
 Model-side code: the `medusa` / `mtp` drafters load and run these modules, and the trainer
 (specdec.train) builds and optimises the same classes. Both import from here; drafters never
@@ -10,12 +10,13 @@ from .checkpoint import (
     target_fingerprint,
 )
 from .modules import (
-    HEAD_TYPES, LABEL_CONVENTION, DraftHeads, DraftVocab, FrozenTargetParts, MedusaHeads, MTPParallelHeads,
+    HEAD_TYPES, LABEL_CONVENTION, ChainedModule, DraftHeads, DraftVocab, FrozenTargetParts, MedusaHeads, MTPParallelHeads,
     MTPSequentialModule, build_heads, grow_cache,
 )
+from .eagle import DEFAULT_EAGLE3_VOCAB, Eagle1Module, Eagle3Module, eagle3_config, eagle3_layers
 
 __all__ = [
-    "CONFIG_FILE", "HEAD_TYPES", "LABEL_CONVENTION", "DraftHeads", "DraftVocab", "FrozenTargetParts", "MTPParallelHeads",
+    "CONFIG_FILE", "ChainedModule", "DEFAULT_EAGLE3_VOCAB", "HEAD_TYPES", "Eagle1Module", "Eagle3Module", "eagle3_config", "eagle3_layers", "LABEL_CONVENTION", "DraftHeads", "DraftVocab", "FrozenTargetParts", "MTPParallelHeads",
     "MTPSequentialModule", "MedusaHeads", "build_heads", "check_target_matches", "grow_cache", "load_checkpoint",
     "read_checkpoint_config", "save_checkpoint", "target_description", "target_fingerprint",
 ]

@@ -66,7 +66,8 @@ def save_checkpoint(directory: str | Path, heads: DraftHeads, target_info: dict,
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {name: tensor.detach().to("cpu", torch.float32).contiguous() for name, tensor in heads.state_dict().items()}
+    state = {name: tensor.detach().to("cpu", torch.float32 if tensor.is_floating_point() else tensor.dtype).contiguous()
+             for name, tensor in heads.state_dict().items()}  # index buffers (EAGLE-3's d2t / t2d) keep their dtype
     weights_tmp = directory / (WEIGHTS_FILE + ".tmp")
     save_file(state, str(weights_tmp))
     weights_tmp.replace(directory / WEIGHTS_FILE)

@@ -98,10 +98,11 @@ class DraftVocab:
     output stays exactly the target's (a sampled proposal's q is zero outside the draft vocabulary).
     """
 
-    def __init__(self, parts: FrozenTargetParts, ids: torch.Tensor | None):
+    def __init__(self, parts: FrozenTargetParts, ids: torch.Tensor | None, own_head: bool = False):
         self.ids = ids  # [V'] long token ids, or None = the full vocabulary
         self.vocab_size = parts.lm_head_weight.shape[0]
-        self.parts = parts if ids is None else parts.with_lm_rows(ids.to(parts.lm_head_weight.device))
+        # own_head: the module has its own LM head over `ids` (EAGLE-3), the target's rows are not needed
+        self.parts = parts if ids is None or own_head else parts.with_lm_rows(ids.to(parts.lm_head_weight.device))
 
     @classmethod
     def from_config(cls, parts: FrozenTargetParts, config: dict, size: int | None) -> DraftVocab:
@@ -184,6 +185,8 @@ class DraftHeads(nn.Module):
     # tokens after the input position the module reads (MTP sequential: the next token, which is
     # committed when it drafts); the trainer's greedy-path rows start after them
     tokens_read_ahead: ClassVar[int] = 0
+    # trained against the target's distribution (its LM head over the top-layer state), not only its top-1
+    reads_target_distribution: ClassVar[bool] = False
 
     @property
     def greedy_path_from(self) -> int:
@@ -195,6 +198,11 @@ class DraftHeads(nn.Module):
         check_positive_int("the number of head positions", num_positions)
         self.input_layer = input_layer
         self.num_positions = num_positions
+
+    @property
+    def input_layers(self) -> tuple[int, ...]:
+        """The target hidden layers this module reads, concatenated in this order along the last axis."""
+        return (self.input_layer,)
 
     def head_config(self) -> dict:
         return {"kind": self.kind, "num_positions": self.num_positions, "input_layer": self.input_layer}
@@ -210,6 +218,29 @@ class DraftHeads(nn.Module):
     def project(self, features: torch.Tensor, parts: FrozenTargetParts) -> torch.Tensor:
         """features [..., H] -> logits [..., V] through the target's frozen LM head."""
         return parts.lm_head(self.readout(features, parts))
+
+    # ---- modules with their own (reduced) vocabulary override these (EAGLE-3)
+    def to_target_ids(self, indices: torch.Tensor) -> torch.Tensor:
+        """Indices into `project`'s logits -> target token ids."""
+        return indices
+
+    def in_vocabulary(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[...] bool: which target tokens the module can propose (training rows outside are masked)."""
+        return torch.ones_like(token_ids, dtype=torch.bool)
+
+    def to_draft_indices(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids -> indices into `project`'s logits (-100 where the module has no logit)."""
+        return token_ids
+
+    def fit_vocabulary(self, ranked_ids: list[int], target) -> None:
+        """Before training from scratch: the data's label tokens, most frequent first."""
+
+    def token_loss(self, readout: torch.Tensor, labels: torch.Tensor, parts: FrozenTargetParts,
+                   target_top: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-row loss [N], top-1 correct [N]) for readout rows [N, H] and label ids [N] (ids of
+        `parts`' LM head); `target_top` [N, H]: the target's top hidden state that produced the label."""
+        logits = parts.lm_head(readout).float()  # [N, V]
+        return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1) == labels
 
 
 class MedusaHeads(DraftHeads):
@@ -294,25 +325,86 @@ class MTPParallelHeads(DraftHeads):
         return torch.stack(outputs)  # [K, H]
 
 
-class MTPSequentialModule(DraftHeads):
+class ChainedModule(DraftHeads):
+    """One module chained D times on its own outputs (MTP sequential, EAGLE-1, EAGLE-3).
+
+    Depth 1 reads the target's hidden state at position p (after `first_state`) and token p + 1
+    (committed when it drafts); depth d reads the module's own depth d - 1 output and token
+    p + d. Subclasses give `layer(previous, next_tokens, cos, sin, cache, mask, parts)` -> the new
+    state [B, T, H] and `readout`. Inference keeps one KV slot over the committed positions
+    (depth-1 keys, computed once when they are verified) plus the draft being built.
+    """
+
+    tokens_read_ahead = 1
+
+    def __init__(self, target_config, input_layer: int, depth: int):
+        super().__init__(input_layer=input_layer, num_positions=depth)
+        self.num_kv_heads = target_config.num_key_value_heads
+        self.head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
+        self.rope = TargetRope(target_config)
+
+    @classmethod
+    def from_config(cls, config: dict, target_config):
+        return cls(target_config, config["num_positions"])
+
+    def first_state(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's hidden rows [..., H_in] -> the state depth 1 reads [..., H] (identity here)."""
+        return hidden
+
+    def layer(self, previous, next_tokens, cos, sin, cache, mask, parts) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, hidden, tokens, positions, parts) -> torch.Tensor:
+        """Unrolled over depths exactly as drafting runs it ("train-time test").
+
+        Depth d at chain start p sits at position p + d - 1, reads tokens[p + d] and the depth d - 1
+        output at p, and attends to the depth-1 keys of positions <= p (what the drafter's cache
+        holds: committed positions) plus its own chain's keys of depths 2..d.
+        """
+        batch, num_new, _ = hidden.shape
+        keys = KeysOfThisPass()
+        eye = torch.eye(num_new, dtype=torch.bool, device=hidden.device)
+        causal = torch.ones_like(eye).tril()  # [T, T]
+        previous, features = self.first_state(hidden), []
+        for depth in range(1, self.num_positions + 1):
+            next_tokens = F.pad(tokens[:, depth:], (0, depth))  # [B, T]: token p + depth (0 past the end)
+            cos, sin = self.rope(positions + depth - 1, previous.dtype)
+            mask = torch.cat([causal] + [eye] * (depth - 1), dim=1)[None, None]  # [1, 1, T, depth * T]
+            previous = self.layer(previous, next_tokens, cos, sin, keys, mask, parts)
+            features.append(previous)
+        return torch.stack(features)  # [D, B, T, H]
+
+    # ---- inference: one KV slot, committed positions (depth 1) + the draft being built
+    def new_cache(self, max_len: int, dtype: torch.dtype, device) -> KVCache:
+        return KVCache(1, 1, self.num_kv_heads, self.head_dim, max_len, dtype, device)
+
+    def step(self, previous: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+             parts: FrozenTargetParts, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """previous [1, n, H], next_tokens / positions [1, n] -> module outputs [1, n, H] (cache advanced).
+
+        `mask` [1, 1, n, cached + n] (True = may attend); None: every cached slot, causal among the new rows."""
+        num_new = previous.shape[1]
+        cos, sin = self.rope(positions, previous.dtype)
+        if mask is None and num_new > 1:
+            mask = cache.attention_mask(num_new, None)
+        out = self.layer(previous, next_tokens, cos, sin, cache, mask, parts)
+        cache.advance(num_new)
+        return out
+
+
+class MTPSequentialModule(ChainedModule):
     """DeepSeek-V3-style MTP module, chained: depth d combines the depth d - 1 hidden with the next token."""
 
     kind = "mtp-sequential"
     drafter = "mtp"
-    tokens_read_ahead = 1
 
     def __init__(self, target_config, depth: int = 3):
-        super().__init__(input_layer=target_config.num_hidden_layers, num_positions=depth)
+        super().__init__(target_config, input_layer=target_config.num_hidden_layers, depth=depth)
         hidden_size, eps = target_config.hidden_size, target_config.rms_norm_eps
         self.hidden_norm = RMSNorm(hidden_size, eps)
         self.embed_norm = RMSNorm(hidden_size, eps)
         self.proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
         self.block = Block(target_config, *block_flags(target_config))
-        self.rope = TargetRope(target_config)
-
-    @classmethod
-    def from_config(cls, config: dict, target_config) -> MTPSequentialModule:
-        return cls(target_config, config["num_positions"])
 
     def init_from_target(self, target) -> None:
         """Start as "the target's own next-token prediction from the hidden state": the projection
@@ -336,48 +428,24 @@ class MTPSequentialModule(DraftHeads):
         embeds = parts.embed(next_tokens).to(previous.dtype)  # [..., H]
         return self.proj(torch.cat([self.hidden_norm(previous), self.embed_norm(embeds)], dim=-1))
 
-    def forward(self, hidden, tokens, positions, parts) -> torch.Tensor:
-        """Unrolled over depths exactly as drafting runs it ("train-time test").
-
-        Depth d at chain start p sits at position p + d - 1, reads tokens[p + d] and the depth d - 1
-        output at p, and attends to the depth-1 keys of positions <= p (what the drafter's cache
-        holds: committed positions) plus its own chain's keys of depths 2..d.
-        """
-        batch, num_new, _ = hidden.shape
-        keys = KeysOfThisPass()
-        eye = torch.eye(num_new, dtype=torch.bool, device=hidden.device)
-        causal = torch.ones_like(eye).tril()  # [T, T]
-        previous, features = hidden, []
-        for depth in range(1, self.num_positions + 1):
-            next_tokens = F.pad(tokens[:, depth:], (0, depth))  # [B, T]: token p + depth (0 past the end)
-            x = self.combine(previous, next_tokens, parts)  # [B, T, H]
-            cos, sin = self.rope(positions + depth - 1, x.dtype)
-            mask = torch.cat([causal] + [eye] * (depth - 1), dim=1)[None, None]  # [1, 1, T, depth * T]
-            previous = self.block(x, cos, sin, keys, 0, mask)
-            features.append(previous)
-        return torch.stack(features)  # [D, B, T, H]
+    def layer(self, previous, next_tokens, cos, sin, cache, mask, parts) -> torch.Tensor:
+        return self.block(self.combine(previous, next_tokens, parts), cos, sin, cache, 0, mask)
 
     def readout(self, features, parts):
         return parts.final_norm(features)
 
-    # ---- inference: one KV slot, committed positions (depth 1) + the draft chain being built
-    def new_cache(self, max_len: int, dtype: torch.dtype, device) -> KVCache:
-        attn = self.block.self_attn
-        return KVCache(1, 1, attn.num_kv_heads, attn.head_dim, max_len, dtype, device)
 
-    def step(self, previous: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-             parts: FrozenTargetParts) -> torch.Tensor:
-        """previous [1, n, H], next_tokens / positions [1, n] -> module outputs [1, n, H] (cache advanced)."""
-        num_new = previous.shape[1]
-        x = self.combine(previous, next_tokens, parts)
-        cos, sin = self.rope(positions, x.dtype)
-        mask = None if num_new == 1 else cache.attention_mask(num_new, None)
-        out = self.block(x, cos, sin, cache, 0, mask)
-        cache.advance(num_new)
-        return out
+HEAD_TYPES: dict[str, type[DraftHeads]] = {}
 
 
-HEAD_TYPES: dict[str, type[DraftHeads]] = {cls.kind: cls for cls in (MedusaHeads, MTPParallelHeads, MTPSequentialModule)}
+def register_head_type(cls: type[DraftHeads]) -> type[DraftHeads]:
+    """Class decorator: make a head type loadable by its `kind` (checkpoints, build_heads)."""
+    HEAD_TYPES[cls.kind] = cls
+    return cls
+
+
+for _cls in (MedusaHeads, MTPParallelHeads, MTPSequentialModule):
+    register_head_type(_cls)
 
 
 def build_heads(kind: str, target, num_positions: int, **options) -> DraftHeads:

@@ -115,10 +115,12 @@ class TrainResult:
 
 
 # ----------------------------------------------------------------------------- batches and labels
-def make_batch(samples: list[Sample], layer: int, max_seq_len: int, generator: torch.Generator, device,
+def make_batch(samples: list[Sample], layers: int | tuple[int, ...], max_seq_len: int, generator: torch.Generator, device,
                top_layer: int | None = None) -> Batch:
     """Right-padded batch; a sample longer than max_seq_len is cropped to a random window.
-    `top_layer` also fills `top_hidden` (the feature loss's targets)."""
+    `hidden` holds `layers` concatenated in order (EAGLE-3 fuses three). `top_layer` also fills
+    `top_hidden` (the feature loss's targets, the target's distribution for EAGLE-3)."""
+    layers = (layers,) if isinstance(layers, int) else tuple(layers)
     rows = []
     for sample in samples:
         length = sample.tokens.shape[0]
@@ -127,16 +129,16 @@ def make_batch(samples: list[Sample], layer: int, max_seq_len: int, generator: t
             start = int(torch.randint(0, length - max_seq_len + 1, (1,), generator=generator))
         rows.append((sample, start, min(length, start + max_seq_len)))
     width = max(stop - start for _, start, stop in rows)
-    hidden_size = rows[0][0].hidden[layer].shape[1]
+    hidden_size = rows[0][0].hidden[layers[-1]].shape[1]
     tokens = torch.zeros(len(rows), width, dtype=torch.long)
     target_next = torch.zeros(len(rows), width, dtype=torch.long)
-    hidden = torch.zeros(len(rows), width, hidden_size)
+    hidden = torch.zeros(len(rows), width, hidden_size * len(layers))
     top_hidden = torch.zeros(len(rows), width, hidden_size) if top_layer is not None else None
     positions = torch.zeros(len(rows), width, dtype=torch.long)
     for row, (sample, start, stop) in enumerate(rows):
         tokens[row, : stop - start] = sample.tokens[start:stop]
         target_next[row, : stop - start] = sample.target_next[start:stop]
-        hidden[row, : stop - start] = sample.hidden[layer][start:stop].float()
+        hidden[row, : stop - start] = torch.cat([sample.hidden[layer][start:stop] for layer in layers], dim=-1).float()
         if top_hidden is not None:
             top_hidden[row, : stop - start] = sample.hidden[top_layer][start:stop].float()
         positions[row] = torch.arange(start, start + width)
@@ -223,26 +225,28 @@ def heads_loss(heads: DraftHeads, batch: Batch, parts: FrozenTargetParts, settin
     features = heads(batch.hidden, batch.tokens, batch.positions, parts)  # [K, B, T, H]
     greedy_from = heads.greedy_path_from if settings.greedy_path_rows else None
     rows, labels = label_rows(batch, heads.num_positions, settings.prompt_rows, greedy_from)
+    proposable = heads.in_vocabulary(labels)  # EAGLE-3: rows whose label is outside the draft vocabulary are masked
+    rows, labels = rows[proposable], labels[proposable]
     if rows.shape[0] > settings.loss_rows:
         pick = torch.randperm(rows.shape[0], generator=generator)[: settings.loss_rows].to(rows.device)
         rows, labels = rows[pick], labels[pick]
     readout = heads.readout(features[rows[:, 0], rows[:, 1], rows[:, 2]], parts)  # [N, H]
+    # the target's top-layer state at the position that produced each label
+    producing = None if batch.top_hidden is None else batch.top_hidden[rows[:, 1], rows[:, 2] + rows[:, 0] + 1]  # [N, H]
     if vocab is not None:
         parts, labels = vocab.draw(parts, labels, generator)
-    logits = parts.lm_head(readout).float()  # [N, V] (or [N, V'])
-    per_row = F.cross_entropy(logits, labels, reduction="none")  # [N]
+    per_row, hits = heads.token_loss(readout, labels, parts, producing)  # [N], [N]
     if settings.feature_weight > 0:
-        if batch.top_hidden is None:
+        if producing is None:
             raise ValueError("the feature loss needs the target's top-layer hidden states in the batch (make_batch top_layer)")
-        wanted = batch.top_hidden[rows[:, 1], rows[:, 2] + rows[:, 0] + 1]  # [N, H]: the state that produced the label
-        per_row = per_row + settings.feature_weight * F.smooth_l1_loss(readout.float(), wanted, reduction="none").mean(-1)
+        per_row = per_row + settings.feature_weight * F.smooth_l1_loss(readout.float(), producing, reduction="none").mean(-1)
     num_positions = heads.num_positions
     counted = torch.bincount(rows[:, 0], minlength=num_positions).float()  # [K]
-    loss_sum = torch.zeros(num_positions, device=logits.device).index_add(0, rows[:, 0], per_row)  # [K]
-    weights = settings.head_decay ** torch.arange(num_positions, device=logits.device, dtype=torch.float32)  # [K]
+    loss_sum = torch.zeros(num_positions, device=per_row.device).index_add(0, rows[:, 0], per_row)  # [K]
+    weights = settings.head_decay ** torch.arange(num_positions, device=per_row.device, dtype=torch.float32)  # [K]
     present = counted > 0
     loss = (weights * loss_sum / counted.clamp(min=1))[present].sum() / weights[present].sum().clamp(min=1e-9)
-    correct = torch.zeros(num_positions, device=logits.device).index_add(0, rows[:, 0], (logits.argmax(-1) == labels).float())
+    correct = torch.zeros(num_positions, device=per_row.device).index_add(0, rows[:, 0], hits.float())
     return loss, correct.detach().cpu(), counted.cpu()
 
 
@@ -259,7 +263,7 @@ def evaluate(heads: DraftHeads, samples: list[Sample], parts: FrozenTargetParts,
     counted = torch.zeros(num_positions)
     path_hits, path_counted = torch.zeros(num_positions), torch.zeros(num_positions)
     for sample in samples:
-        batch = make_batch([sample], heads.input_layer, settings.max_seq_len, generator, device)
+        batch = make_batch([sample], heads.input_layers, settings.max_seq_len, generator, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.dtype == "bf16"):
             features = heads(batch.hidden, batch.tokens, batch.positions, parts)  # [K, 1, T, H]
             rows, labels = label_rows(batch, num_positions)
@@ -272,9 +276,10 @@ def evaluate(heads: DraftHeads, samples: list[Sample], parts: FrozenTargetParts,
             for chunk in range(0, rows.shape[0], 512):
                 part_rows, part_labels = rows[chunk : chunk + 512], labels[chunk : chunk + 512]
                 logits = heads.project(features[part_rows[:, 0], part_rows[:, 1], part_rows[:, 2]], parts).float()
-                loss_sum += float(F.cross_entropy(logits, part_labels, reduction="sum"))
+                # a label outside a reduced draft vocabulary (EAGLE-3) adds no loss but counts as missed
+                loss_sum += float(F.cross_entropy(logits, heads.to_draft_indices(part_labels), reduction="sum", ignore_index=-100))
                 rows_total += part_rows.shape[0]
-                top = logits.topk(min(EVAL_RANKS, logits.shape[-1]), dim=-1).indices  # [n, R]
+                top = heads.to_target_ids(logits.topk(min(EVAL_RANKS, logits.shape[-1]), dim=-1).indices)  # [n, R] token ids
                 hits = (top == part_labels[:, None]).float().cpu()  # [n, R]
                 head = part_rows[:, 0].cpu()
                 rank_hits[:, : hits.shape[1]].index_add_(0, head, hits)
@@ -377,6 +382,10 @@ def split_samples(samples: list[Sample], eval_fraction: float) -> tuple[list[Sam
 
 
 # ----------------------------------------------------------------------------- the loop
+def state_path_of(out_dir: Path) -> Path:
+    return Path(out_dir) / STATE_FILE
+
+
 def train(
     heads: DraftHeads,
     target,
@@ -403,12 +412,16 @@ def train(
     parts = FrozenTargetParts.from_target(target).to(device, torch.float32)
     heads.to(device=device, dtype=torch.float32).train()
     train_samples, eval_samples = split_samples(samples, settings.eval_fraction)
+    if not resume or not state_path_of(out_dir).is_file():
+        heads.fit_vocabulary(rank_label_tokens(train_samples)[0], target)  # EAGLE-3's draft vocabulary (before the optimizer)
     vocab = None
+    if settings.softmax_negatives and heads.reads_target_distribution:
+        raise ValueError(f"{heads.kind} trains on its own reduced vocabulary: a sampled softmax does not apply")
     if settings.softmax_negatives:
         vocab = SampledVocab.from_samples(train_samples, parts.lm_head_weight.shape[0], settings.softmax_negatives)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay)
     step, elapsed_before, history = 0, 0.0, {"train": [], "eval": []}
-    state_path = out_dir / STATE_FILE
+    state_path = state_path_of(out_dir)
     if resume and state_path.is_file():
         state = torch.load(state_path, map_location=device, weights_only=False)
         if state["head"] != heads.head_config() or state["target_fingerprint"] != target_info["fingerprint"]:
@@ -451,8 +464,8 @@ def train(
                 group["lr"] = settings.lr * lr_factor(step, progress_fraction, settings)
             generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
             picks = torch.randint(0, len(train_samples), (settings.batch_size,), generator=generator).tolist()
-            batch = make_batch([train_samples[i] for i in picks], heads.input_layer, settings.max_seq_len, generator, device,
-                               top_layer=target.num_layers if settings.feature_weight > 0 else None)
+            batch = make_batch([train_samples[i] for i in picks], heads.input_layers, settings.max_seq_len, generator, device,
+                               top_layer=target.num_layers if settings.feature_weight > 0 or heads.reads_target_distribution else None)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.dtype == "bf16"):
                 loss, correct, counted = heads_loss(heads, batch, parts, settings, generator, vocab)
             optimizer.zero_grad(set_to_none=True)

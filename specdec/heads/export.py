@@ -1,0 +1,156 @@
+"""Checkpoints in the layouts serving engines load unchanged: EAGLE-3 (SGLang, vLLM) and Medusa (vLLM).
+
+EAGLE-3 directory (`export_eagle3`, read back by `load_eagle3_export`):
+    config.json        LlamaForCausalLMEagle3, model_type llama (for every target family), one layer,
+                       vocab_size / draft_vocab_size, the target's heads / kv heads / head_dim / rope /
+                       rms_norm_eps; no aux-layer ids (the engines' default fused layers are ours)
+    model.safetensors  the module's state dict as is: fc, midlayer.*, norm, lm_head [V', H],
+                       d2t int64 (target id = i + d2t[i]), t2d bool [V]; no embed_tokens
+Medusa directory (`export_medusa`): vLLM's MedusaModel — blocks.{k}.layers.{j}.{weight,bias} and
+lm_heads.{k}.weight (a copy of the target's LM head: our heads read it frozen).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from .eagle import Eagle3Module
+from .modules import FrozenTargetParts, MedusaHeads
+
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_SHAPE_FIELDS = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+def eagle3_export_config(module: Eagle3Module, dtype: str) -> dict:
+    cfg = module.config
+    rope = dict(cfg.rope_parameters or {})
+    rope_theta = rope.pop("rope_theta", 10000.0)
+    return {
+        "architectures": [EAGLE3_ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": rope_theta,
+        "rope_scaling": None if rope.get("rope_type", "default") == "default" else rope,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": dtype,
+    }
+
+
+def _write_directory(out_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """config.json + model.safetensors, each written to a temp file and renamed (nothing half-written)."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights_tmp = out_dir / (WEIGHTS_FILE + ".tmp")
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(weights_tmp), metadata={"format": "pt"})
+    config_tmp = out_dir / (CONFIG_FILE + ".tmp")
+    config_tmp.write_text(json.dumps(config, indent=2) + "\n")
+    weights_tmp.replace(out_dir / WEIGHTS_FILE)
+    config_tmp.replace(out_dir / CONFIG_FILE)
+    return out_dir
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype)
+
+
+def export_eagle3(module: Eagle3Module, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    """Write `module` as an EAGLE-3 directory SGLang and vLLM load unchanged."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
+    tensors = {name: _cast(tensor, EXPORT_DTYPES[dtype]) for name, tensor in module.state_dict().items()}
+    return _write_directory(Path(out_dir), eagle3_export_config(module, dtype), tensors)
+
+
+def export_medusa(heads: MedusaHeads, target, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    """Write Medusa heads in vLLM's MedusaModel layout (each head gets a copy of the target's LM head)."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
+    torch_dtype = EXPORT_DTYPES[dtype]
+    lm_head = FrozenTargetParts.from_target(target).lm_head_weight
+    tensors = {}
+    for head, blocks in enumerate(heads.heads):
+        for index, linear in enumerate(blocks):
+            tensors[f"blocks.{head}.layers.{index}.weight"] = _cast(linear.weight, torch_dtype)
+            tensors[f"blocks.{head}.layers.{index}.bias"] = _cast(linear.bias, torch_dtype)
+        tensors[f"lm_heads.{head}.weight"] = _cast(lm_head, torch_dtype)
+    config = {
+        "architectures": ["MedusaModel"],
+        "model_type": "medusa",
+        "hidden_size": heads.hidden_size,
+        "vocab_size": int(lm_head.shape[0]),
+        "truncated_vocab_size": int(lm_head.shape[0]),
+        "num_heads": heads.num_positions,
+        "num_hidden_layers": heads.num_blocks,
+        "medusa_fc_bias": True,
+        "torch_dtype": dtype,
+    }
+    return _write_directory(Path(out_dir), config, tensors)
+
+
+def is_eagle3_export(directory: Path) -> bool:
+    config_path = Path(directory) / CONFIG_FILE
+    if not config_path.is_file():
+        return False
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError:
+        return False
+    return EAGLE3_ARCHITECTURE in (config.get("architectures") or [])
+
+
+def load_eagle3_export(directory: str | Path, target) -> Eagle3Module:
+    """An EAGLE-3 directory (ours or a published one for this target) as a module on the target's device / dtype."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    config = json.loads((directory / CONFIG_FILE).read_text())
+    weight_files = sorted(directory.glob("*.safetensors"))
+    if not weight_files:
+        raise FileNotFoundError(f"{directory} has an EAGLE-3 config.json but no *.safetensors weights")
+    cfg = target.config
+    expected = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "num_attention_heads": cfg.num_attention_heads,
+                "num_key_value_heads": cfg.num_key_value_heads,
+                "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
+    wrong = {key: (config.get(key), value) for key, value in expected.items() if config.get(key, value) != value}
+    if wrong:
+        raise ValueError(f"EAGLE-3 drafter {directory} does not fit target {getattr(target, 'name', '')!r} "
+                         f"(field: drafter, target): {wrong}")
+    module = Eagle3Module(cfg, draft_vocab_size=config.get("draft_vocab_size") or cfg.vocab_size,
+                          intermediate_size=config.get("intermediate_size"))
+    aux_layers = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if aux_layers:
+        module.fused_layers = tuple(int(layer) for layer in aux_layers)
+    state = {}
+    for path in weight_files:
+        state.update(load_file(str(path)))
+    state.pop("embed_tokens.weight", None)  # some published drafters carry the target's embeddings: we use the target's own
+    if "d2t" not in state and module.d2t.shape[0] == cfg.vocab_size:
+        state["d2t"] = torch.zeros(cfg.vocab_size, dtype=torch.long)
+    if "t2d" not in state and "d2t" in state:
+        state["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool).index_fill_(
+            0, torch.arange(state["d2t"].shape[0]) + state["d2t"].long(), True)
+    state = {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state.items()}
+    state["d2t"], state["t2d"] = state["d2t"].long(), state["t2d"].bool()
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{directory} is not an EAGLE-3 drafter in the LlamaForCausalLMEagle3 layout: "
+                         f"missing {sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}")
+    return module.to(device=target.device, dtype=target.dtype).eval()
