@@ -29,6 +29,10 @@ from ..models.llama import MLP, Attention, Block, RMSNorm, block_flags
 from .modules import ChainedModule, FrozenTargetParts, register_head_type
 
 DEFAULT_EAGLE3_VOCAB = 32000  # draft vocabulary size of the published EAGLE-3 drafters
+_DRAFT_CONFIG_KEYS = (  # what an EAGLE-3 checkpoint stores to rebuild the module without its target (export)
+    "vocab_size", "draft_vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "rms_norm_eps", "rope_parameters", "max_position_embeddings", "model_type",
+)
 
 
 def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
@@ -123,6 +127,7 @@ class Eagle3Module(ChainedModule):
         layers = eagle3_layers(target_config.num_hidden_layers)
         super().__init__(target_config, input_layer=layers[0], depth=depth)
         self.fused_layers = layers
+        self.target_num_layers = target_config.num_hidden_layers
         vocab_size, hidden_size = target_config.vocab_size, target_config.hidden_size
         self.config = eagle3_config(target_config, min(draft_vocab_size, vocab_size), intermediate_size)
         draft_vocab = self.config.draft_vocab_size
@@ -136,8 +141,16 @@ class Eagle3Module(ChainedModule):
 
     @classmethod
     def from_config(cls, config: dict, target_config) -> Eagle3Module:
-        return cls(target_config, config["num_positions"], config.get("draft_vocab_size", DEFAULT_EAGLE3_VOCAB),
-                   config.get("intermediate_size"))
+        """From a checkpoint's head config; target_config None: from the Llama config it stores (export)."""
+        if target_config is None:
+            from transformers import LlamaConfig
+
+            target_config = LlamaConfig.from_dict(config["draft_config"])
+            target_config.num_hidden_layers = config["target_num_layers"]
+        module = cls(target_config, config["num_positions"], config.get("draft_vocab_size", DEFAULT_EAGLE3_VOCAB),
+                     config.get("intermediate_size"))
+        module.fused_layers = tuple(config.get("input_layers", module.fused_layers))
+        return module
 
     @property
     def input_layers(self) -> tuple[int, ...]:
@@ -145,7 +158,9 @@ class Eagle3Module(ChainedModule):
 
     def head_config(self) -> dict:
         return {**super().head_config(), "input_layers": list(self.fused_layers),
-                "draft_vocab_size": self.config.draft_vocab_size, "intermediate_size": self.config.intermediate_size}
+                "draft_vocab_size": self.config.draft_vocab_size, "intermediate_size": self.config.intermediate_size,
+                "target_num_layers": self.target_num_layers,
+                "draft_config": {key: value for key, value in self.config.to_dict().items() if key in _DRAFT_CONFIG_KEYS}}
 
     # ---- the reduced draft vocabulary
     @property

@@ -1,10 +1,13 @@
-"""`specdec train data | medusa | mtp` (routed here by specdec.cli).
+"""`specdec train data | medusa | mtp | eagle1 | eagle3 | eval` and `specdec export` (routed here by specdec.cli).
 
     specdec train data   --model smollm2-135m --out data/smollm2 --num-prompts 32 --max-new-tokens 128
     specdec train data   --model smollm2-135m --out data/smollm2-mix --num-prompts 64 --prompt-mix conversation=0.5,math=0.5
     specdec train data   --model smollm2-135m --out data/smollm2-corpus --corpus /usr/lib/python3.11/json --max-chunks 200
     specdec train medusa --model smollm2-135m --data data/smollm2 --data data/smollm2-corpus --out ckpt/medusa --minutes 2
     specdec train mtp    --model smollm2-135m --data data/smollm2 --out ckpt/mtp --flavour sequential --minutes 2
+    specdec train data   --model smollm2-135m --out data/smollm2-e3 --for eagle3      # + EAGLE-3's fused layers
+    specdec train eagle3 --model smollm2-135m --data data/smollm2-e3 --out ckpt/eagle3 --minutes 2
+    specdec export ckpt/eagle3 out/eagle3-sglang                                         # SGLang / vLLM layout
 
 Then: `specdec generate "..." --drafter medusa --drafter-arg checkpoint=ckpt/medusa`.
 """
@@ -23,9 +26,11 @@ DEFAULT_MINUTES = 10.0  # when neither --steps nor --minutes is given
 # CPU defaults favour many cheap steps (measured on SmolLM2 with 2-minute runs: MTP batch 2 beat 8,
 # 256 LM-head rows beat 1024); the [rows, V] logits and the MTP blocks dominate a step's cost
 DEFAULT_LOSS_ROWS_CPU, DEFAULT_LOSS_ROWS_CUDA = 256, 2048
-DEFAULT_BATCH_CPU = {"medusa": 8, "mtp-parallel": 2, "mtp-sequential": 2}  # Medusa's cost is the LM-head rows, not the batch
+DEFAULT_BATCH_CPU = {"medusa": 8, "mtp-parallel": 2, "mtp-sequential": 2, "eagle1": 2, "eagle3": 2}  # Medusa's cost is the LM-head rows
 DEFAULT_BATCH_CUDA = 16
-DEFAULT_LR = {"medusa": 1e-3, "mtp-parallel": 1e-3, "mtp-sequential": 1e-3}
+DEFAULT_LR = {"medusa": 1e-3, "mtp-parallel": 1e-3, "mtp-sequential": 1e-3, "eagle1": 1e-3, "eagle3": 1e-3}
+# EAGLE-1's loss: feature regression + 0.1 x token cross-entropy (its paper's weights), i.e. CE + 10 x smooth L1
+DEFAULT_FEATURE_WEIGHT = {"eagle1": 10.0}
 # --flavour -> (head kind, the option holding its number of head positions)
 MTP_FLAVOURS = {"parallel": ("mtp-parallel", "num_heads"), "sequential": ("mtp-sequential", "depth")}
 
@@ -55,7 +60,10 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=128, help="answer length limit per prompt")
     parser.add_argument("--layers", type=_layer_list, default=None,
-                        help="hidden layers to store, e.g. 29,30 (default: num_layers - 1 and num_layers)")
+                        help="hidden layers to store, e.g. 29,30 (default: num_layers - 1 and num_layers, see --for)")
+    parser.add_argument("--for", dest="for_drafter", choices=["heads", "eagle3"], default="heads",
+                        help="heads: the layers Medusa / MTP / EAGLE-1 read; eagle3: also EAGLE-3's three fused layers "
+                             "(2, N/2, N-3) — ignored when --layers is given")
     parser.add_argument("--sampled-fraction", type=float, default=0.3, help="share of answers sampled instead of greedy")
     parser.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled answers")
     parser.add_argument("--top-p", type=float, default=0.95, help="top-p of the sampled answers")
@@ -98,9 +106,10 @@ def _add_common_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seq-len", type=int, default=512, help="longer samples are cropped to a random window")
     parser.add_argument("--warmup-steps", type=int, default=20)
     parser.add_argument("--head-decay", type=float, default=0.8, help="loss weight of head k is decay^(k-1)")
-    parser.add_argument("--feature-weight", type=float, default=0.0,
+    parser.add_argument("--feature-weight", type=float, default=None,
                         help="weight of the feature loss: smooth L1 from the head's readout to the target's own top-layer "
-                             "hidden state at the label's position (EAGLE's regression target; 0 = off)")
+                             "hidden state at the label's position (EAGLE's regression target; default 10 for eagle1, "
+                             "0 = off otherwise)")
     parser.add_argument("--prompt-rows", action="store_true",
                         help="also learn on positions inside the prompt (labels are the target's top-1 there too)")
     parser.add_argument("--all-rows", action="store_true",
@@ -137,10 +146,24 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "num_positions": getattr(args, MTP_FLAVOURS[args.flavour][1])}))
 
 
+    eagle1 = sub.add_parser("eagle1", help="train an EAGLE-1 drafter (drafter `eagle1`): feature regression + token loss")
+    _add_common_training_arguments(eagle1)
+    eagle1.add_argument("--depth", type=int, default=3, help="unrolled steps the drafter trains on its own features")
+    eagle1.set_defaults(train_func=run_heads_training, head_kind=lambda args: ("eagle1", {"num_positions": args.depth}))
+
+    eagle3 = sub.add_parser("eagle3", help="train an EAGLE-3 drafter (drafter `eagle3`; `specdec export` for SGLang / vLLM)")
+    _add_common_training_arguments(eagle3)
+    eagle3.add_argument("--depth", type=int, default=7,
+                        help="training-time test: steps unrolled on the drafter's own predictions (step i weighted head_decay^i)")
+    eagle3.add_argument("--draft-vocab-size", type=int, default=32000,
+                        help="reduced draft vocabulary: the most frequent target tokens of the training data")
+    eagle3.set_defaults(train_func=run_heads_training, head_kind=lambda args: ("eagle3", {
+        "num_positions": args.depth, "draft_vocab_size": args.draft_vocab_size}))
+
     evaluate = sub.add_parser("eval", help="a checkpoint's agreement with the target on the held-out part of training data")
     evaluate.add_argument("--model", required=True, help="the target the checkpoint was trained for")
     add_weights_argument(evaluate)
-    evaluate.add_argument("--checkpoint", required=True, help="a directory written by `specdec train medusa|mtp`")
+    evaluate.add_argument("--checkpoint", required=True, help="a directory written by `specdec train medusa|mtp|eagle1|eagle3`")
     evaluate.add_argument("--data", action="append", required=True,
                           help="training data directories, as given to the trainer (its held-out split is used)")
     evaluate.add_argument("--max-rows", type=int, default=0,
@@ -159,10 +182,21 @@ def _load_target(args):
     return load_target(args.model, dtype="float32", weights=getattr(args, "weights", None))
 
 
+def _layers_for(args, target) -> list[int] | None:
+    """--layers, else the layers --for asks for (None: the data module's default)."""
+    if args.layers is not None or args.for_drafter == "heads":
+        return args.layers
+    from ..heads import eagle3_layers
+    from .data import default_layers
+
+    return sorted(set(default_layers(target)) | set(eagle3_layers(target.num_layers)))
+
+
 def run_data(args) -> int:
     from .data import CorpusSettings, DataSettings, build_corpus_dataset, build_dataset
 
     target = _load_target(args)
+    args.layers = _layers_for(args, target)
     log = lambda message: print(message, file=sys.stderr)  # noqa: E731
     if args.corpus:
         settings = CorpusSettings(
@@ -212,7 +246,7 @@ def run_eval(args) -> int:
     target = _load_target(args)
     heads, config = load_checkpoint(args.checkpoint, target)
     trained = config.get("training", {}).get("settings", {})
-    samples, _ = _load_data(args.data, [heads.input_layer], target)
+    samples, _ = _load_data(args.data, list(heads.input_layers), target)
     _, held_out = split_samples(samples, trained.get("eval_fraction", TrainSettings.eval_fraction))
     settings = TrainSettings(steps=1, max_seq_len=trained.get("max_seq_len", TrainSettings.max_seq_len),
                              eval_rows=args.max_rows or 2**62)
@@ -246,7 +280,9 @@ def run_heads_training(args) -> int:
     device, dtype = _resolve_device_and_dtype(args)
     target = _load_target(args)
     heads = build_heads(kind, target, **options)
-    layers = sorted({heads.input_layer, target.num_layers} if args.feature_weight > 0 else {heads.input_layer})
+    feature_weight = DEFAULT_FEATURE_WEIGHT.get(kind, 0.0) if args.feature_weight is None else args.feature_weight
+    needs_top = feature_weight > 0 or heads.reads_target_distribution
+    layers = sorted(set(heads.input_layers) | ({target.num_layers} if needs_top else set()))
     samples, data_info = _load_data(args.data, layers, target)
     minutes = args.minutes if (args.minutes is not None or args.steps is not None) else DEFAULT_MINUTES
     settings = TrainSettings(
@@ -254,7 +290,7 @@ def run_heads_training(args) -> int:
         batch_size=args.batch_size or (DEFAULT_BATCH_CUDA if device.startswith("cuda") else DEFAULT_BATCH_CPU[kind]),
         warmup_steps=args.warmup_steps, dtype=dtype, max_seq_len=args.max_seq_len,
         loss_rows=args.loss_rows or (DEFAULT_LOSS_ROWS_CUDA if device.startswith("cuda") else DEFAULT_LOSS_ROWS_CPU),
-        head_decay=args.head_decay, feature_weight=args.feature_weight, prompt_rows=args.prompt_rows,
+        head_decay=args.head_decay, feature_weight=feature_weight, prompt_rows=args.prompt_rows,
         greedy_path_rows=not args.all_rows, softmax_negatives=args.softmax_negatives, eval_every=args.eval_every,
         save_every=args.save_every, seed=args.seed, device=device,
     )
@@ -266,4 +302,55 @@ def run_heads_training(args) -> int:
     print(f"{kind}: {result.steps} steps in {result.elapsed_s / 60:.1f} min; held-out top-1 agreement {top1} "
           f"(rows on the target's greedy path: {on_path}); "
           f"checkpoint {out} (plot {out / 'training.png'})")
+    return 0
+
+
+# ----------------------------------------------------------------------------- specdec export
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a checkpoint of `specdec train eagle3` (or `train medusa`)")
+    parser.add_argument("out_dir", help="directory to write (config.json + model.safetensors)")
+    parser.add_argument("--model", default=None,
+                        help="the target (needed for Medusa heads, whose LM heads are copies of the target's; "
+                             "default: the name stored in the checkpoint)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing export in OUT_DIR")
+
+
+def run_export(args) -> int:
+    """EAGLE-3 -> LlamaForCausalLMEagle3 (SGLang, vLLM); Medusa -> vLLM's MedusaModel."""
+    import json
+
+    from ..heads import HEAD_TYPES, read_checkpoint_config
+    from ..heads.export import export_eagle3, export_medusa
+
+    out = Path(args.out_dir)
+    if (out / "config.json").exists() and not args.overwrite:
+        raise ValueError(f"{out} already holds a config.json: pass --overwrite to replace it")
+    config = read_checkpoint_config(args.checkpoint)
+    kind = config["head"]["kind"]
+    if kind not in ("eagle3", "medusa"):
+        raise ValueError(f"{args.checkpoint} holds {kind!r} heads; serving engines load EAGLE-3 drafters and Medusa heads "
+                         "(train with `specdec train eagle3` or `specdec train medusa`)")
+    from safetensors.torch import load_file
+
+    from ..heads import check_target_matches
+    from ..heads.checkpoint import WEIGHTS_FILE
+
+    state = load_file(str(Path(args.checkpoint) / WEIGHTS_FILE))
+    if kind == "eagle3":  # the module carries its own Llama config: no target needed
+        heads = HEAD_TYPES[kind].from_config(config["head"], None)
+        heads.load_state_dict(state)
+        export_eagle3(heads, out, args.dtype)
+        print(f"EAGLE-3 drafter for {config['target']['name']!r} in {out}:\n"
+              f"  sglang: python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 "
+              f"--speculative-draft-model-path {out}\n"
+              f"  vllm:   LLM(model=TARGET, speculative_config={json.dumps({'method': 'eagle3', 'model': str(out), 'num_speculative_tokens': 5})})")
+        return 0
+    args.model = args.model or config["target"]["name"]
+    target = _load_target(args)
+    check_target_matches(config, target, f"checkpoint {args.checkpoint}")
+    heads = HEAD_TYPES[kind].from_config(config["head"], target.config)
+    heads.load_state_dict(state)
+    export_medusa(heads, target, out, args.dtype)
+    print(f"Medusa heads in vLLM's layout in {out}")
     return 0
