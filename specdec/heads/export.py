@@ -90,7 +90,7 @@ def export_medusa(heads: MedusaHeads, target, out_dir: str | Path, dtype: str = 
         for index, linear in enumerate(blocks):
             tensors[f"blocks.{head}.layers.{index}.weight"] = _cast(linear.weight, torch_dtype)
             tensors[f"blocks.{head}.layers.{index}.bias"] = _cast(linear.bias, torch_dtype)
-        tensors[f"lm_heads.{head}.weight"] = _cast(lm_head, torch_dtype)
+        tensors[f"lm_heads.{head}.weight"] = _cast(lm_head, torch_dtype).clone()  # one tensor per key (safetensors)
     config = {
         "architectures": ["MedusaModel"],
         "model_type": "medusa",
