@@ -22,6 +22,8 @@ Head types (looked up by `kind` in HEAD_TYPES, stored in the checkpoint's config
                       module's own depth d - 1 output (trained unrolled, the way it drafts).
                       Starts as the identity on RMSNorm(hidden) (see init_from_target).
 
+* `eagle1` / `eagle3`  — chained like `mtp-sequential` (ChainedModule), see heads/eagle.py.
+
 The target's embeddings, final norm and LM head are used frozen and never saved in a checkpoint.
 """
 
