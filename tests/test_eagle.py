@@ -128,7 +128,8 @@ def test_greedy_under_the_cost_model_equals_plain(counter, trained, kind):
     policy = AutoBudget(table, max_budget=12)
     plain = generate(counter, [5, 6, 7, 8], max_new_tokens=40)
     spec = run(counter, [[5, 6, 7, 8]], drafter, 40, SamplingParams(), (), policy).finish()[0]
-    assert spec.tokens == plain.tokens and spec.stats.tau > 2.0
+    # small budgets (~4 nodes) often go to depth-1 siblings: tau stays below the fixed 10-node tree's
+    assert spec.tokens == plain.tokens and spec.stats.tau > 1.5
     assert spec.stats.drafted_tokens > 2 * spec.stats.steps  # the cost model chose trees, not single tokens
 
 
@@ -193,7 +194,7 @@ def test_sampled_eagle_chains_keep_the_target_distribution(counter, trained, kin
     results = generate_batch(counter, [prompt] * runs, drafter, max_new_tokens=4, sampling=sampling)
     assert sum(r.stats.accepted_tokens for r in results) > 0.1 * runs  # drafts were really tried and accepted
     assert min(token_marginal_pvalues(counter, prompt, results)) > 1e-3
-    wrong = generate_batch(counter, [prompt] * runs, WrongQ(drafter), max_new_tokens=4, sampling=sampling)
+    wrong = generate_batch(counter, [prompt] * 500, WrongQ(drafter), max_new_tokens=4, sampling=sampling[:500])
     assert min(token_marginal_pvalues(counter, prompt, wrong)) < 1e-6
 
 
