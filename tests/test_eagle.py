@@ -44,7 +44,7 @@ def eagle_data(counter, tmp_path_factory):
 def _train(kind, counter, data, out, steps=150, **settings):
     options = {"draft_vocab_size": DRAFT_VOCAB} if kind == "eagle3" else {}
     heads = build_heads(kind, counter, 3, **options)
-    _, samples = load_samples(data, [0, 1, 2, 3], counter)
+    _, samples = load_samples(data, sorted({*heads.input_layers, counter.num_layers}), counter)
     settings = TrainSettings(**{"steps": steps, "lr": 2e-3, "batch_size": 4, "loss_rows": 256, "warmup_steps": 10,
                                 "eval_every": 75, "feature_weight": 10.0 if kind == "eagle1" else 0.0, **settings})
     return heads, train(heads, counter, samples, out, settings, target_description(counter), progress=False, log=lambda _: None)
