@@ -290,7 +290,7 @@ def test_eagle3_cli_end_to_end(counter, tmp_path, capsys):
     model_dir = str(counter.model_dir)
     data, ckpt, export = str(tmp_path / "data"), str(tmp_path / "ckpt"), str(tmp_path / "export")
     assert main(["train", "data", "--model", model_dir, "--out", data, "--num-prompts", "4", "--max-new-tokens", "16",
-                 "--shard-size", "2", "--for", "eagle3", "--no-progress"]) == 0
+                 "--shard-size", "2", "--for", "eagle3", "--prompt-mix", "conversation=1", "--no-progress"]) == 0
     assert json.loads((tmp_path / "data" / "manifest.json").read_text())["settings"]["layers"] == [0, 1, 2, 3]
     train_args = ["train", "eagle3", "--model", model_dir, "--data", data, "--out", ckpt, "--depth", "3", "--steps", "4",
                   "--draft-vocab-size", "12", "--batch-size", "2", "--no-progress"]
