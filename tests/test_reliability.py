@@ -21,6 +21,8 @@ from specdec import generate
 from specdec.cli import main
 from specdec.kv_cache import KV_CHUNK, KVBudgetError, KVCache, kv_budget_tokens
 from specdec.models.base import ContextLengthError
+from specdec.models.registry import models_root
+from specdec.paths import cache_root
 from specdec.server import create_app
 
 from test_server import running_server
@@ -199,7 +201,7 @@ def _run_cli(*argv, env=None, timeout=600):
 def corrupt_cache(tmp_path):
     """A COPY of the cached SmolLM2 with its weights truncated (the shared cache is never touched)."""
     source = fetch_dir()
-    copy = tmp_path / "models" / source.name
+    copy = tmp_path / source.relative_to(cache_root())  # same layout: models/v<converter>/<name>
     shutil.copytree(source, copy)
     weights = copy / "model.safetensors"
     with open(weights, "r+b") as handle:
@@ -270,8 +272,9 @@ def _half_written(root: Path) -> list[Path]:
 
 def test_server_killed_mid_stream_restarts_cleanly(tmp_path):
     """SIGKILL while streaming leaves nothing the next start trips on (its own cache: kernels, cost tables)."""
-    (tmp_path / "models").mkdir()
-    (tmp_path / "models" / "smollm2-135m").symlink_to(fetch_dir())  # read-only use of the shared model
+    entry = tmp_path / fetch_dir().relative_to(cache_root())  # models/v<converter>/smollm2-135m
+    entry.parent.mkdir(parents=True)
+    entry.symlink_to(fetch_dir())  # read-only use of the shared model
     port = _free_port()
     body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Write a long story about a boat."}],
             "max_tokens": 300, "stream": True}
@@ -297,13 +300,13 @@ def test_fetch_killed_mid_conversion_leaves_no_entry_and_the_next_fetch_complete
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "SPECDEC_CACHE": str(tmp_path)}
     command = [sys.executable, "-m", "specdec.cli", "models", "fetch", "smollm2-135m"]
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    models = tmp_path / "models"
+    models = tmp_path / models_root().relative_to(cache_root())  # models/v<converter>
     deadline = time.monotonic() + 300
     while not (models.is_dir() and any(p.name.endswith(".tmp") for p in models.iterdir())):
         assert process.poll() is None, "fetch finished before it could be killed"
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    time.sleep(1.0)  # part-way through writing the converted files
+    time.sleep(0.3)  # part-way through writing the converted files (block conversion is quick)
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert not (models / "smollm2-135m").exists()  # never a half-built entry under the real name

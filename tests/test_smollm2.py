@@ -15,7 +15,11 @@ PROMPTS = ["What is the capital of France?", "Write one sentence about cats.", "
 def hf_smollm2(smollm2):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(smollm2.model_dir, dtype=torch.float32).eval()
+    from specdec.models.gguf import transformers_load_kwargs
+
+    # the cache keeps GGUF blocks: transformers reads (and dequantises) the source GGUF instead
+    return AutoModelForCausalLM.from_pretrained(smollm2.model_dir, dtype=torch.float32,
+                                                **transformers_load_kwargs(smollm2.model_dir)).eval()
 
 
 def test_native_logits_equal_transformers(smollm2, hf_smollm2):
