@@ -39,6 +39,19 @@ DEFAULT_TREE_NODES, DEFAULT_TREE_DEPTH, DEFAULT_TREE_TOPK = 10, 6, 4
 Choose = Callable[[torch.Tensor], tuple[int, torch.Tensor | None]]  # draft logits [V'] -> (token id, q row [V] or None)
 
 
+def chain_chooser(vocab: DraftVocab, ctx: DraftContext, sample: bool) -> Choose:
+    """How a chain drafter picks each token: argmax (greedy, or sample=False: a deterministic
+    proposal) or a sample from the warped q, whose full-vocabulary row goes to verification."""
+    if ctx.sampling.greedy or not sample:
+        return lambda logits: (vocab.token(logits.argmax()), None)
+
+    def sample_token(logits: torch.Tensor):
+        draft_probs = warp_logits_to_probs(logits, ctx.sampling)  # [V']: q, the same warp as the target
+        return vocab.token(sample_from_probs(draft_probs, ctx.generator)), vocab.full_probs(draft_probs)  # q over [V]
+
+    return sample_token
+
+
 def new_hidden_rows(ctx: DraftContext, layers: tuple[int, ...], cached: int) -> tuple[torch.Tensor | None, int]:
     """(the target rows [n, H * len(layers)] just cached, layers concatenated in order; their first
     position), checked against the drafter's cache."""
@@ -185,24 +198,13 @@ class EagleDrafter(Drafter):
     def on_verified(self, result, ctx: DraftContext) -> None:
         self.runner.absorb(ctx)
 
-    def _chooser(self, ctx: DraftContext) -> Choose:
-        vocab = self.vocab
-        if ctx.sampling.greedy or not self.sample:
-            return lambda logits: (vocab.token(logits.argmax()), None)
-
-        def sample(logits: torch.Tensor):
-            draft_probs = warp_logits_to_probs(logits, ctx.sampling)  # [V']: q, the same warp as the target
-            return vocab.token(sample_from_probs(draft_probs, ctx.generator)), vocab.full_probs(draft_probs)  # q over [V]
-
-        return sample
-
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
         if self.runner is None or not self.runner.ready() or budget <= 0:
             return Draft.empty()
         if self.tree:
             return self.runner.tree(ctx, budget, self.tree_depth, self.tree_topk)
-        picks = self.runner.chain(budget, self._chooser(ctx))
+        picks = self.runner.chain(budget, chain_chooser(self.vocab, ctx, self.sample))
         tokens = torch.tensor([token for token, _ in picks], dtype=torch.long)
         if picks[0][1] is None:
             return Draft.chain(tokens)

@@ -29,10 +29,9 @@ import torch
 
 from ..checks import check_int
 from ..draft import Draft
-from ..sampling import sample_from_probs, warp_logits_to_probs
 from ..heads import DraftVocab, FrozenTargetParts, MTPParallelHeads, MTPSequentialModule, grow_cache, load_checkpoint
 from .base import DraftContext, Drafter, register_drafter
-from .eagle import ChainRunner, Choose, new_hidden_rows
+from .eagle import ChainRunner, Choose, chain_chooser, new_hidden_rows
 from .medusa import DEFAULT_DRAFT_VOCAB, DEFAULT_TREE_NODES, build_choice_tree, draft_from_candidates, heads_cost_tokens, top_candidates
 
 _CACHE_HEADROOM = 64
@@ -136,17 +135,6 @@ class MTPDrafter(Drafter):
     def on_verified(self, result, ctx: DraftContext) -> None:
         self.runner.absorb(ctx)
 
-    def _chooser(self, ctx: DraftContext) -> Choose:
-        vocab = self.vocab
-        if ctx.sampling.greedy or not self.sample:
-            return lambda logits: (vocab.token(logits.argmax()), None)
-
-        def sample(logits: torch.Tensor):
-            draft_probs = warp_logits_to_probs(logits, ctx.sampling)  # [V']: q, the same warp as the target
-            return vocab.token(sample_from_probs(draft_probs, ctx.generator)), vocab.full_probs(draft_probs)  # q over [V]
-
-        return sample
-
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
         if self.runner is None or not self.runner.ready() or budget <= 0:
@@ -155,7 +143,7 @@ class MTPDrafter(Drafter):
             template = self.tree.for_budget(budget)
             logits = self.runner.logits(template.max_depth)  # [D, V']
             return draft_from_candidates(template, top_candidates(template, logits, self.vocab))
-        picks = self.runner.chain(min(budget, self._max_chain), self._chooser(ctx))
+        picks = self.runner.chain(min(budget, self._max_chain), chain_chooser(self.vocab, ctx, self.sample))
         tokens = torch.tensor([token for token, _ in picks], dtype=torch.long)
         if picks[0][1] is None:
             return Draft.chain(tokens)
