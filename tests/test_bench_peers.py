@@ -14,7 +14,7 @@ from specdec import generate
 from specdec.bench import BenchConfig, CallableMethod, PeerSource, register_method_factory, run_benchmark, unregister_method
 from specdec.bench.peers import LLAMA_CPP, LLAMA_CPP_INSTALL, TRANSFORMERS, LlamaCppTarget, gguf_file_of
 from specdec.bench.runner import resolve_method
-from specdec.models.registry import MODELS, locate_gguf
+from specdec.models.registry import fetch_gguf
 
 # copyable context, so that prompt lookup has something to draft from
 QUESTION = {"question_id": 7, "category": "qa", "turns": [
@@ -93,7 +93,7 @@ def test_missing_llama_cpp_leaves_the_other_methods_running(without_llama_cpp, s
 def test_llama_target_gets_specdec_prompt_ids_and_the_registry_gguf(smollm2):
     llama_target = LLAMA_CPP.load(_source(smollm2), BenchConfig(progress=False))  # needs no llama_cpp import
     assert isinstance(llama_target, LlamaCppTarget)
-    assert llama_target.gguf_path == locate_gguf(MODELS["smollm2-135m"], progress=False)
+    assert llama_target.gguf_path == fetch_gguf("smollm2-135m", progress=False)
     assert llama_target.gguf_path.read_bytes()[:4] == b"GGUF"
     ids = llama_target.encode_prompt(MESSAGES)
     assert ids == smollm2.encode_prompt(MESSAGES)  # the chat template, applied by specdec's tokenizer
@@ -104,7 +104,7 @@ def test_llama_target_gets_specdec_prompt_ids_and_the_registry_gguf(smollm2):
 def test_gguf_file_of_a_path_and_of_a_non_gguf_target(smollm2, tmp_path):
     from specdec.bench import MethodUnavailable
 
-    gguf = locate_gguf(MODELS["smollm2-135m"], progress=False)
+    gguf = fetch_gguf("smollm2-135m", progress=False)
     assert gguf_file_of(PeerSource(str(gguf), None, smollm2.tokenizer, smollm2.vocab_size, [])) == gguf
     with pytest.raises(MethodUnavailable, match="not a GGUF model"):
         gguf_file_of(PeerSource(str(tmp_path), tmp_path, smollm2.tokenizer, smollm2.vocab_size, []))
@@ -171,7 +171,7 @@ def test_llama_peers_on_smollm2(llama_cpp, smollm2, tmp_path, one_question):
 
 
 def test_llama_cpp_tokenizer_agrees_with_specdec_on_the_templated_prompt(llama_cpp, smollm2):
-    gguf = locate_gguf(MODELS["smollm2-135m"], progress=False)
+    gguf = fetch_gguf("smollm2-135m", progress=False)
     vocab = llama_cpp.Llama(model_path=str(gguf), vocab_only=True, verbose=False)
     text = smollm2.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     assert vocab.tokenize(text.encode(), add_bos=False, special=True) == smollm2.encode_prompt(MESSAGES)

