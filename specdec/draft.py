@@ -31,6 +31,19 @@ def _as_index_tensor(values, name: str) -> torch.Tensor:
     return values.long()
 
 
+def _as_probability_tensor(values, num_nodes: int) -> torch.Tensor:
+    """Per-node confidences -> float tensor [N] with every entry in [0, 1], or a clear error."""
+    if not isinstance(values, torch.Tensor):
+        values = torch.as_tensor(list(values), dtype=torch.float32)
+    if not values.is_floating_point():
+        values = values.float()
+    if values.dim() != 1 or values.shape[0] != num_nodes:
+        raise ValueError(f"Draft.confidences must have shape [N={num_nodes}], got {tuple(values.shape)}")
+    if num_nodes and not bool(((values >= 0) & (values <= 1)).all()):  # NaN fails both comparisons
+        raise ValueError(f"Draft.confidences must be probabilities in [0, 1], got {values.tolist()}")
+    return values
+
+
 @dataclass(eq=False)
 class Draft:
     """Proposed tokens arranged as a tree (a chain is the special case parents = [-1, 0, 1, ...]).
@@ -39,6 +52,10 @@ class Draft:
     parents: [N] parent node index; -1 = child of the last committed token.
     draft_probs: [N, V] the distribution q(.) each node's token was sampled from, or None for a
         deterministic proposal (n-gram match, argmax, top-k expansion: q is one-hot).
+    confidences: [N] floats in [0, 1], or None: the drafter's estimate of P(node accepted | its
+        parent accepted), known once the node is drafted (DSpark's confidence head). With them
+        the loop may verify only a prefix of the draft (specdec.schedule.admit); they never
+        change which tokens are accepted.
 
     Treat a Draft as immutable: structural properties are computed once and cached.
     """
@@ -46,6 +63,7 @@ class Draft:
     tokens: torch.Tensor
     parents: torch.Tensor
     draft_probs: torch.Tensor | None = None
+    confidences: torch.Tensor | None = None
 
     def __post_init__(self):
         self.tokens = _as_index_tensor(self.tokens, "tokens")
@@ -77,19 +95,35 @@ class Draft:
                     f"Draft.tokens contain id {int(self.tokens.max())} outside the draft vocabulary "
                     f"of size V={probs.shape[1]}"
                 )
+        if self.confidences is not None:
+            self.confidences = _as_probability_tensor(self.confidences, num_nodes)
 
     # ---------------------------------------------------------------- constructors
     @classmethod
-    def chain(cls, tokens, draft_probs: torch.Tensor | None = None) -> "Draft":
+    def chain(cls, tokens, draft_probs: torch.Tensor | None = None, confidences=None) -> "Draft":
         """A linear draft: node i is the child of node i - 1 (node 0 of the root)."""
         tokens = _as_index_tensor(tokens, "tokens")
         parents = torch.arange(-1, tokens.shape[0] - 1, dtype=torch.long, device=tokens.device)
-        return cls(tokens=tokens, parents=parents, draft_probs=draft_probs)
+        return cls(tokens=tokens, parents=parents, draft_probs=draft_probs, confidences=confidences)
 
     @classmethod
     def empty(cls) -> "Draft":
         """No proposal: verification then just samples one token from the target."""
         return cls(tokens=torch.zeros(0, dtype=torch.long), parents=torch.zeros(0, dtype=torch.long))
+
+    def prefix(self, num_nodes: int) -> "Draft":
+        """The first `num_nodes` nodes (tokens, parents, draft_probs, confidences sliced alike).
+        Parents come before children, so any prefix of node order is itself a valid tree."""
+        if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or not 0 <= num_nodes <= self.num_nodes:
+            raise ValueError(f"prefix length must be an integer in [0, {self.num_nodes}], got {num_nodes!r}")
+        if num_nodes == self.num_nodes:
+            return self
+        return Draft(
+            tokens=self.tokens[:num_nodes],
+            parents=self.parents[:num_nodes],
+            draft_probs=None if self.draft_probs is None else self.draft_probs[:num_nodes],
+            confidences=None if self.confidences is None else self.confidences[:num_nodes],
+        )
 
     # ---------------------------------------------------------------- structure
     def __len__(self) -> int:

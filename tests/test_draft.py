@@ -101,11 +101,32 @@ def test_random_trees_mask_agrees_with_paths_and_positions():
         (dict(tokens=torch.tensor([1, 2]), parents=torch.tensor([-1, 0]), draft_probs=torch.rand(3, 5)), r"shape \[N=2, V\]"),
         (dict(tokens=torch.tensor([1, 7]), parents=torch.tensor([-1, 0]), draft_probs=torch.rand(2, 5)), "outside the draft vocabulary"),
         (dict(tokens=torch.tensor([1]), parents=torch.tensor([-1]), draft_probs=torch.ones(1, 5, dtype=torch.long)), "floating-point"),
+        (dict(tokens=torch.tensor([1, 2]), parents=torch.tensor([-1, 0]), confidences=[0.5]), r"confidences must have shape \[N=2\]"),
+        (dict(tokens=torch.tensor([1, 2]), parents=torch.tensor([-1, 0]), confidences=[0.5, 1.5]), r"probabilities in \[0, 1\]"),
+        (dict(tokens=torch.tensor([1]), parents=torch.tensor([-1]), confidences=[float("nan")]), r"probabilities in \[0, 1\]"),
     ],
 )
 def test_invalid_drafts_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Draft(**kwargs)
+
+
+def test_prefix_slices_every_per_node_field():
+    probs = torch.softmax(torch.randn(6, 20, generator=torch.Generator().manual_seed(0)), dim=-1)
+    draft = Draft(torch.tensor([10, 11, 12, 13, 14, 15]), torch.tensor(CRAFTED_PARENTS), probs,
+                  confidences=[0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
+    assert draft.confidences.dtype.is_floating_point and draft.confidences.shape == (6,)
+    head = draft.prefix(4)
+    assert head.tokens.tolist() == [10, 11, 12, 13] and head.parents.tolist() == CRAFTED_PARENTS[:4]
+    assert torch.equal(head.draft_probs, probs[:4])
+    assert torch.allclose(head.confidences, torch.tensor([0.9, 0.8, 0.7, 0.6]))
+    assert head.depths.tolist() == [1, 1, 2, 2]
+    assert draft.prefix(6) is draft and len(draft.prefix(0)) == 0
+    chain = Draft.chain([4, 8, 15], confidences=[1.0, 0.5, 0.0]).prefix(2)
+    assert chain.is_chain and chain.tokens.tolist() == [4, 8] and chain.draft_probs is None
+    for bad in (-1, 7, 2.0, True):
+        with pytest.raises(ValueError, match="prefix length"):
+            draft.prefix(bad)
 
 
 def test_children_rejects_unknown_node():
