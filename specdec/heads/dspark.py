@@ -1,0 +1,239 @@
+"""DSpark's light sequential parts on a block drafter: the sequential head, the confidence head,
+the training loss and the sequential temperature scaling of the confidences.
+
+A block backbone (DFlash) gives one hidden row h_k per draft position k = 0..K-1 in one forward;
+in DSpark the anchor (the root, the last committed token) is itself the first prediction position,
+so row k predicts draft token k + 1 and all K rows are drafted. Rows are independent given the
+context, so the backbone alone cannot make token k depend on the token drafted at k - 1. The
+sequential head adds that dependency cheaply, left to right:
+
+    q_k = softmax(lm_head(h_k) + bias_k),  bias_k = f(x_{k-1}, h_k, state)
+
+* `markov`: a rank-r bias from the previous token only, bias_k = W2 W1[x_{k-1}]
+  (W1: an [V, r] embedding, W2: [V, r]); x_{-1} is the anchor.
+* `rnn`: a gated recurrent state s_k over the drafted prefix, s_k = g * s_{k-1} + (1 - g) * c with
+  [g; c; o] = joint([s_{k-1}; W1[x_{k-1}]; h_k]) (sigmoid, tanh, tanh), bias_k = W2 o.
+
+Confidence head: c_k = sigmoid((w . [h_k ; W1[x_{k-1}]] + b) / T_k), the predicted probability
+that draft token k is accepted given the tokens before it were. It is trained (BCE) against the
+analytic acceptance of the sampled draft, 1 - TV(q_k, p_k) = 1 - 0.5 ||q_k - p_k||_1; T_k are the
+per-position temperatures fitted afterwards on held-out data (`fit_sequential_temperatures`), and
+the product c_1 ... c_k is what the scheduler reads as the survival of position k.
+
+Parameter names follow DeepSpec's public checkpoints (markov_head.markov_w1 / markov_w2 /
+joint_proj, confidence_head.proj), so export is a rename of the backbone only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..checks import check_positive_int
+
+# loss weights of DSpark's published recipe: 0.1 cross-entropy + 0.9 total variation + 1.0 BCE
+LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "bce": 1.0}
+ECE_BINS = 10
+
+
+# ----------------------------------------------------------------------------- sequential heads
+class MarkovHead(nn.Module):
+    """bias_k = W2 W1[x_{k-1}]: a rank-r bigram correction of the block logits."""
+
+    kind: ClassVar[str] = "markov"
+    deepspec_type: ClassVar[str] = "vanilla"  # DeepSpec's config value (markov_head_type)
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
+        super().__init__()
+        check_positive_int("markov rank", rank)
+        self.rank = rank
+        self.markov_w1 = nn.Embedding(vocab_size, rank)  # [V, r]
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)  # [V, r]
+        nn.init.normal_(self.markov_w1.weight, std=rank ** -0.5)
+        nn.init.zeros_(self.markov_w2.weight)  # starts as the bare backbone: bias 0
+
+    def initial_state(self, rows: int, like: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def previous_embedding(self, previous_tokens: torch.Tensor) -> torch.Tensor:
+        return self.markov_w1(previous_tokens)  # [..., r]
+
+    def step(self, state, previous_tokens: torch.Tensor, hidden: torch.Tensor):
+        """(next state, bias [..., V]) for one position; previous_tokens [...], hidden [..., H]."""
+        return state, self.markov_w2(self.previous_embedding(previous_tokens))
+
+    def block_bias(self, previous_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced biases of a whole block: previous_tokens [N, K], hidden [N, K, H] -> [N, K, V]."""
+        state = self.initial_state(previous_tokens.shape[0], hidden)
+        biases = []
+        for k in range(previous_tokens.shape[1]):
+            state, bias = self.step(state, previous_tokens[:, k], hidden[:, k])
+            biases.append(bias)
+        return torch.stack(biases, dim=1)
+
+
+class RNNHead(MarkovHead):
+    """A gated recurrent state over the drafted prefix: position k sees every x_{<k}, not only x_{k-1}."""
+
+    kind = "rnn"
+    deepspec_type = "rnn"
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
+        super().__init__(vocab_size, rank, hidden_size)
+        self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)  # [s; W1[x]; h] -> [gate; candidate; output]
+
+    def initial_state(self, rows: int, like: torch.Tensor) -> torch.Tensor:
+        return like.new_zeros(rows, self.rank)  # [N, r]
+
+    def step(self, state, previous_tokens, hidden):
+        joint = self.joint_proj(torch.cat([state, self.previous_embedding(previous_tokens), hidden], dim=-1))
+        gate, candidate, output = joint.chunk(3, dim=-1)  # [..., r] each
+        gate = torch.sigmoid(gate)
+        state = gate * state + (1 - gate) * torch.tanh(candidate)
+        return state, self.markov_w2(torch.tanh(output))
+
+
+SEQUENTIAL_HEADS = {cls.kind: cls for cls in (MarkovHead, RNNHead)}
+
+
+class ConfidenceHead(nn.Module):
+    """Logit of P(draft token k accepted | the ones before were): w . [h_k ; W1[x_{k-1}]] + b."""
+
+    def __init__(self, hidden_size: int, rank: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size + rank, 1)
+
+    def forward(self, hidden: torch.Tensor, previous_embedding: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.cat([hidden, previous_embedding], dim=-1)).squeeze(-1)  # [...]
+
+
+class SequentialParts(nn.Module):
+    """The sequential head + the confidence head + the calibration temperatures of one DSpark drafter."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, block_size: int, rank: int = 64, head: str = "markov"):
+        super().__init__()
+        if head not in SEQUENTIAL_HEADS:
+            raise ValueError(f"unknown DSpark sequential head {head!r}; known: {', '.join(SEQUENTIAL_HEADS)}")
+        check_positive_int("block_size", block_size)
+        self.markov_head = SEQUENTIAL_HEADS[head](vocab_size, rank, hidden_size)
+        self.confidence_head = ConfidenceHead(hidden_size, rank)
+        # [K] per-position temperatures of the confidence logits (1 = uncalibrated); a buffer so
+        # they travel in the checkpoint but the optimizer never touches them
+        self.register_buffer("confidence_temperatures", torch.ones(block_size))
+
+    @property
+    def head_kind(self) -> str:
+        return self.markov_head.kind
+
+    def block(self, base_logits: torch.Tensor, hidden: torch.Tensor, previous_tokens: torch.Tensor):
+        """Teacher-forced: base_logits [N, K, V], hidden [N, K, H], previous_tokens [N, K] (the anchor,
+        then the labels of positions 0..K-2) -> (logits [N, K, V], confidence logits [N, K], raw)."""
+        logits = base_logits + self.markov_head.block_bias(previous_tokens, hidden).to(base_logits.dtype)
+        confidence = self.confidence_head(hidden, self.markov_head.previous_embedding(previous_tokens))
+        return logits, confidence
+
+    def calibrated(self, confidence_logits: torch.Tensor) -> torch.Tensor:
+        """[..., K] raw confidence logits -> calibrated confidences sigmoid(z_k / T_k)."""
+        k = confidence_logits.shape[-1]
+        return torch.sigmoid(confidence_logits.float() / self.confidence_temperatures[:k].float())
+
+
+# ----------------------------------------------------------------------------- loss
+def position_weights(block_size: int, decay: float | None, device=None) -> torch.Tensor:
+    """[K] exp(-k / decay) for positions k = 0..K-1 (None or <= 0: all ones)."""
+    positions = torch.arange(block_size, device=device, dtype=torch.float32)
+    if decay is None or decay <= 0:
+        return torch.ones_like(positions)
+    return torch.exp(-positions / decay)
+
+
+def analytic_acceptance(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """E[accept] of a token sampled from q against p: 1 - 0.5 ||q - p||_1 = sum min(p, q); [..., V] -> [...]."""
+    return (1 - 0.5 * (draft_probs - target_probs).abs().sum(-1)).clamp(0.0, 1.0)
+
+
+@dataclass
+class DSparkLoss:
+    total: torch.Tensor  # scalar, what is backpropagated
+    ce: torch.Tensor  # scalars (detached), each a position-weighted mean
+    tv: torch.Tensor
+    bce: torch.Tensor
+    acceptance: torch.Tensor  # [N, K] detached analytic acceptance of each position
+
+
+def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor,
+                confidence_logits: torch.Tensor, valid: torch.Tensor, decay: float | None = 4.0,
+                weights: dict[str, float] | None = None) -> DSparkLoss:
+    """0.1 CE(label) + 0.9 TV(q, p) + 1.0 BCE(c, 1 - TV), each a position-weighted mean over the valid rows.
+
+    draft_logits / target_logits [N, K, V]; labels [N, K] (-100 = none); confidence_logits [N, K];
+    valid [N, K] bool (a position counts only while every earlier one of its block does).
+    """
+    weights = {**LOSS_WEIGHTS, **(weights or {})}
+    mask = valid.float() * position_weights(draft_logits.shape[1], decay, draft_logits.device)  # [N, K]
+    denominator = mask.sum().clamp(min=1e-6)
+    ce = F.cross_entropy(draft_logits.float().flatten(0, 1), labels.flatten().clamp(min=0), reduction="none")
+    ce = ce.view_as(mask) * (labels >= 0)
+    q = F.softmax(draft_logits.float(), dim=-1)
+    with torch.no_grad():
+        p = F.softmax(target_logits.float(), dim=-1)
+    tv = 0.5 * (q - p).abs().sum(-1)  # [N, K]
+    acceptance = (1 - tv).detach().clamp(0.0, 1.0)
+    bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), acceptance, reduction="none")
+    terms = {name: (value * mask).sum() / denominator for name, value in (("ce", ce), ("tv", tv), ("bce", bce))}
+    total = sum(weights[name] * value for name, value in terms.items())
+    return DSparkLoss(total, terms["ce"].detach(), terms["tv"].detach(), terms["bce"].detach(), acceptance)
+
+
+# ----------------------------------------------------------------------------- calibration
+def expected_calibration_error(predicted: torch.Tensor, outcome: torch.Tensor, bins: int = ECE_BINS) -> float:
+    """sum_b (n_b / n) |mean predicted_b - mean outcome_b| over equal-width bins of `predicted` in [0, 1]
+    (outcome may be soft: an expected acceptance)."""
+    predicted, outcome = predicted.reshape(-1).double(), outcome.reshape(-1).double()
+    if predicted.numel() == 0:
+        return 0.0
+    index = (predicted * bins).long().clamp(0, bins - 1)
+    count = torch.zeros(bins, dtype=torch.float64).index_add_(0, index, torch.ones_like(predicted))
+    gap = torch.zeros(bins, dtype=torch.float64).index_add_(0, index, predicted - outcome)
+    return float(gap.abs().sum() / predicted.numel())
+
+
+def survival_ece(confidence_logits: torch.Tensor, acceptance: torch.Tensor, temperatures: torch.Tensor,
+                 valid: torch.Tensor | None = None) -> list[float]:
+    """Per position k: ECE of the predicted survival prod_{i<=k} sigmoid(z_i / T_i) against the
+    realised one prod_{i<=k} a_i. confidence_logits / acceptance / valid [N, K]; temperatures [K]."""
+    survival = torch.sigmoid(confidence_logits.double() / temperatures.double()).cumprod(-1)
+    truth = acceptance.double().cumprod(-1)
+    valid = torch.ones_like(truth, dtype=torch.bool) if valid is None else valid
+    return [expected_calibration_error(survival[valid[:, k], k], truth[valid[:, k], k]) for k in range(truth.shape[1])]
+
+
+TEMPERATURE_GRID = torch.logspace(math.log10(0.05), math.log10(20.0), 241, dtype=torch.float64)
+
+
+def fit_sequential_temperatures(confidence_logits: torch.Tensor, acceptance: torch.Tensor,
+                                valid: torch.Tensor | None = None, grid: torch.Tensor = TEMPERATURE_GRID) -> torch.Tensor:
+    """Sequential temperature scaling: left to right, T_k minimises the ECE of the survival at k,
+    prod_{i<=k} sigmoid(z_i / T_i), with T_1..T_{k-1} already fixed (so each position corrects the
+    error the earlier ones leave in the product, not its own marginal). A grid search: ECE is
+    piecewise constant in T, so gradients would not help. Returns temperatures [K] (float32)."""
+    logits, truth = confidence_logits.double(), acceptance.double().cumprod(-1)  # [N, K]
+    valid = torch.ones_like(truth, dtype=torch.bool) if valid is None else valid
+    prefix = torch.ones(logits.shape[0], dtype=torch.float64)  # [N] survival up to k - 1 (calibrated)
+    temperatures = []
+    for k in range(logits.shape[1]):
+        rows = valid[:, k]
+        if not bool(rows.any()):
+            temperatures.append(1.0)
+            continue
+        errors = [expected_calibration_error(prefix[rows] * torch.sigmoid(logits[rows, k] / t), truth[rows, k])
+                  for t in grid.tolist()]
+        best = min(range(len(errors)), key=lambda i: (errors[i], abs(math.log(float(grid[i])))))  # ties: nearest 1
+        temperatures.append(float(grid[best]))
+        prefix = prefix * torch.sigmoid(logits[:, k] / temperatures[-1])
+    return torch.tensor(temperatures, dtype=torch.float32)
