@@ -13,6 +13,9 @@ The choosers maximise expected tokens per ms of the coming step over the measure
     one sequence:  (1 + s_1 + ... + s_n) / (n * draft_ms_per_node + T(other + n + 1))
     a batch:       (R + S_n) / (n * draft_ms + T(R + n)),  S_n = the n best scores of all R sequences
 
+(the batch walks positions best first and stops at the first that does not help: the
+scheduler of specdec.schedule, shared with drafters that score their own drafted positions).
+
 For SAMPLED proposals the scores must come from pre-draft information (AcceptanceTracker, the
 cost table), never from the drafted tokens or their probabilities; scores computed from the
 drafter's own outputs are only allowed for deterministic proposals (top-k trees, n-gram matches).
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 
 from .checks import check_int
 from .cost import CostTable
+from .schedule import admit_survivals, check_probabilities, survivals
 
 
 # the cost table also times one prefill-sized forward, so one-off catch-up costs (a draft
@@ -36,16 +40,8 @@ PREFILL_PROBE_TOKENS = 256
 # ----------------------------------------------------------------------------- choosing budgets
 
 
-def _check_probabilities(name: str, values: Sequence[float]) -> list[float]:
-    values = [float(v) for v in values]
-    for index, value in enumerate(values):
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"{name}[{index}] = {value} is not a probability in [0, 1]")
-    return values
-
-
 def _check_descending(name: str, values: Sequence[float]) -> list[float]:
-    values = _check_probabilities(name, values)
+    values = check_probabilities(name, values)
     for index in range(1, len(values)):
         if values[index] > values[index - 1]:
             raise ValueError(
@@ -57,11 +53,7 @@ def _check_descending(name: str, values: Sequence[float]) -> list[float]:
 
 def chain_path_scores(accept_probs_by_depth: Sequence[float]) -> list[float]:
     """Per-depth conditional acceptance a_d -> P(depths 1..d all accepted) = prod_{j<=d} a_j."""
-    scores, running = [], 1.0
-    for prob in _check_probabilities("accept_probs_by_depth", accept_probs_by_depth):
-        running *= prob
-        scores.append(running)
-    return scores
+    return survivals(check_probabilities("accept_probs_by_depth", accept_probs_by_depth))
 
 
 def tokens_per_ms(path_scores: Sequence[float], cost: CostTable, draft_ms_per_node: float, other_tokens: int = 0) -> list[float]:
@@ -104,42 +96,26 @@ def choose_budget(
 
 
 def allocate_batch_budget(per_request_scores: Sequence[Sequence[float]], cost: CostTable, draft_ms: float) -> list[int]:
-    """Split draft positions across the requests of one batched verify forward.
+    """Split draft positions across the requests of one batched verify forward, before drafting.
 
     Each request's scores (sorted descending; e.g. ``chain_path_scores`` or tree path
-    probabilities) are the chances its next candidate positions survive. Positions are admitted
-    in order of score across all requests (the best n of all positions, each request keeping a
-    prefix of its list), and n is chosen to maximise expected total tokens per ms:
+    probabilities) are the chances its next candidate positions survive. This is the scheduler's
+    walk (specdec.schedule.admit_survivals: positions in order of score across all requests, each
+    request keeping a prefix, stopping at the first position that does not raise throughput) with
+    the step rate of B tokens in total, n = B - R of them drafted at ``draft_ms`` each:
 
-        (R + S_n) / (n * draft_ms + T(R + n))      R = requests, S_n = sum of the n best scores
+        steps per second = 1000 / (n * draft_ms + T(B))
 
-    ``draft_ms`` is the cost per admitted position. Unlike "stop at the first position that does
-    not help", this scans every n, so it is the exact optimum of the objective even where a
-    measured T(k) has plateaus and steps. Returns the number of admitted positions per request
-    (0 = plain decoding for it).
+    Returns the number of admitted positions per request (0 = plain decoding for it).
     """
     num_requests = len(per_request_scores)
-    if num_requests == 0:
-        return []
     if draft_ms < 0:
         raise ValueError(f"draft time must be >= 0 ms, got {draft_ms}")
-    candidates = []  # (score, request, position) for every draftable position
-    for request, scores in enumerate(per_request_scores):
-        for position, score in enumerate(_check_descending(f"scores[{request}]", scores)):
-            candidates.append((score, request, position))
-    # best first; within a request the earlier position wins ties, so selections stay prefixes
-    candidates.sort(key=lambda item: (-item[0], item[1], item[2]))
-    best_admitted, best_rate = 0, num_requests / cost.t(num_requests)
-    expected_tokens = float(num_requests)
-    for admitted, (score, _, _) in enumerate(candidates, start=1):
-        expected_tokens += score
-        rate = expected_tokens / (admitted * draft_ms + cost.t(num_requests + admitted))
-        if rate > best_rate:
-            best_admitted, best_rate = admitted, rate
-    budgets = [0] * num_requests
-    for _, request, _ in candidates[:best_admitted]:
-        budgets[request] += 1
-    return budgets
+
+    def steps_per_second(tokens: int) -> float:
+        return 1000.0 / ((tokens - num_requests) * draft_ms + cost.t(tokens))
+
+    return admit_survivals(per_request_scores, steps_per_second)
 
 
 @dataclass

@@ -268,10 +268,22 @@ def _batch_objective(per_request, budgets, cost, draft_ms):
     return expected / (admitted * draft_ms + cost.t(requests + admitted))
 
 
+def _random_convex_table(rng, ks=(1, 2, 3, 4, 6, 8, 12, 16)):
+    """T(k) whose cost per extra token never falls (no plateaus followed by steps)."""
+    slopes = sorted(rng.uniform(0.0, 6.0) for _ in ks[1:])
+    ms = [rng.uniform(5.0, 20.0)]
+    for slope, (left, right) in zip(slopes, zip(ks, ks[1:])):
+        ms.append(ms[-1] + slope * (right - left))
+    return CostTable(key={"seed": "x"}, k=list(ks), ms=ms)
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_allocate_batch_budget_is_brute_force_optimal(seed):
+def test_allocate_batch_budget_is_brute_force_optimal_on_convex_costs(seed):
+    """With a cost per extra token that never falls, expected tokens per ms rises then falls
+    along the walk (concave numerator over convex denominator), so stopping at the first
+    non-improvement is the exact optimum."""
     rng = random.Random(200 + seed)
-    table = _random_table(rng)
+    table = _random_convex_table(rng)
     for _ in range(8):
         per_request = [
             chain_path_scores([rng.uniform(0.2, 1.0) for _ in range(rng.randint(0, 4))])
@@ -289,10 +301,21 @@ def test_allocate_batch_budget_is_brute_force_optimal(seed):
         )
 
 
-def test_allocate_single_request_equals_chain_chooser():
+def test_allocate_batch_budget_stops_at_the_first_non_improvement():
+    """A step in T(k) then a plateau: the 2nd position costs a lot, the 3rd..8th are free.
+    Scanning every n would admit all 8; the scheduler's walk (the one that stays lossless when
+    the scores come from drafted tokens, specdec.schedule) stops after the 1st."""
+    table = CostTable(k=[1, 2, 3, 16], ms=[10.0, 10.1, 16.0, 16.0])
+    scores = chain_path_scores([0.95] * 8)
+    assert allocate_batch_budget([scores], table, draft_ms=0.0) == [1]
+    all_eight = _batch_objective([scores], [8], table, 0.0)
+    assert all_eight > _batch_objective([scores], [1], table, 0.0) > _batch_objective([scores], [2], table, 0.0)
+
+
+def test_allocate_single_request_equals_chain_chooser_on_convex_costs():
     rng = random.Random(5)
     for _ in range(20):
-        table = _random_table(rng)
+        table = _random_convex_table(rng)
         probs = [rng.uniform(0.3, 1.0) for _ in range(8)]
         draft_ms = rng.uniform(0.0, 2.0)
         assert allocate_batch_budget([chain_path_scores(probs)], table, draft_ms) == [
