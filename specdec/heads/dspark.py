@@ -35,10 +35,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checks import check_positive_int
+from .dflash import DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT_LAYERS, DFlashModule
+from .modules import register_head_type
 
 # loss weights of DSpark's published recipe: 0.1 cross-entropy + 0.9 total variation + 1.0 BCE
 LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "bce": 1.0}
 ECE_BINS = 10
+DEFAULT_MARKOV_RANK = 64
 
 
 # ----------------------------------------------------------------------------- sequential heads
@@ -115,7 +118,8 @@ class ConfidenceHead(nn.Module):
 class SequentialParts(nn.Module):
     """The sequential head + the confidence head + the calibration temperatures of one DSpark drafter."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, block_size: int, rank: int = 64, head: str = "markov"):
+    def __init__(self, vocab_size: int, hidden_size: int, block_size: int, rank: int = DEFAULT_MARKOV_RANK,
+                 head: str = "markov"):
         super().__init__()
         if head not in SEQUENTIAL_HEADS:
             raise ValueError(f"unknown DSpark sequential head {head!r}; known: {', '.join(SEQUENTIAL_HEADS)}")
@@ -141,6 +145,25 @@ class SequentialParts(nn.Module):
         """[..., K] raw confidence logits -> calibrated confidences sigmoid(z_k / T_k)."""
         k = confidence_logits.shape[-1]
         return torch.sigmoid(confidence_logits.float() / self.confidence_temperatures[:k].float())
+
+    def draft(self, base_logits: torch.Tensor, hidden: torch.Tensor, anchor: int, choose, ids: torch.Tensor | None = None):
+        """Left to right over one block: base_logits [K, V'] (over token ids `ids` [V'], None = every
+        id), hidden [K, H]; `choose(logits [V']) -> (token id, q [V] or None)` picks each token from the
+        exact logits it is given (argmax, or a sample whose q goes to verification) and that token
+        conditions the next position. Returns (tokens [K], q rows [K, V] or None, confidences [K])."""
+        previous = torch.tensor([anchor], device=hidden.device)
+        state = self.markov_head.initial_state(1, hidden)
+        tokens, rows, confidence_logits = [], [], []
+        for k in range(base_logits.shape[0]):
+            state, bias = self.markov_head.step(state, previous, hidden[k : k + 1])  # bias [1, V]
+            confidence_logits.append(self.confidence_head(hidden[k : k + 1], self.markov_head.previous_embedding(previous)))
+            bias = bias[0] if ids is None else bias[0, ids]  # [V']
+            token, q = choose(base_logits[k].float() + bias.float())
+            tokens.append(token)
+            rows.append(q)
+            previous = torch.tensor([token], device=hidden.device)
+        probs = None if rows[0] is None else torch.stack(rows)
+        return tokens, probs, self.calibrated(torch.cat(confidence_logits))
 
 
 # ----------------------------------------------------------------------------- loss
@@ -237,3 +260,75 @@ def fit_sequential_temperatures(confidence_logits: torch.Tensor, acceptance: tor
         temperatures.append(float(grid[best]))
         prefix = prefix * torch.sigmoid(logits[:, k] / temperatures[-1])
     return torch.tensor(temperatures, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------- the DSpark module
+@register_head_type
+class DSparkModule(DFlashModule):
+    """The DFlash backbone with the anchor row as the first prediction position (K = block_size rows)
+    plus `sequential` (SequentialParts). Block row k predicts token t + k + 1 (LABEL_CONVENTION)."""
+
+    kind = "dspark"
+    drafter = "dspark"
+    prediction_offset = 0
+    reads_target_distribution = True  # TV and the confidence target need the target's distribution
+
+    def __init__(self, target_config, block_size: int = DEFAULT_BLOCK_SIZE, num_draft_layers: int = DEFAULT_DRAFT_LAYERS,
+                 mask_token_id: int | None = None, intermediate_size: int | None = None,
+                 input_layers: tuple[int, ...] | None = None, markov_rank: int = DEFAULT_MARKOV_RANK,
+                 sequential_head: str = "markov"):
+        super().__init__(target_config, block_size, num_draft_layers, mask_token_id, intermediate_size, input_layers)
+        self.sequential = SequentialParts(target_config.vocab_size, target_config.hidden_size, self.block_size,
+                                          markov_rank, sequential_head)
+
+    @classmethod
+    def from_config(cls, config: dict, target_config) -> DSparkModule:
+        config = {**config, "block_size": config.get("block_size", config["num_positions"] + cls.prediction_offset)}
+        backbone = DFlashModule.from_config(config, target_config)  # resolves the backbone's options (and a stored config)
+        if target_config is None:
+            target_config = backbone.config.__class__.from_dict(config["draft_config"])
+            target_config.num_hidden_layers = config["target_num_layers"]
+        return cls(target_config, backbone.block_size, len(backbone.layers), backbone.mask_token_id,
+                   backbone.config.intermediate_size, backbone.fused_layers,
+                   config.get("markov_rank", DEFAULT_MARKOV_RANK), config.get("sequential_head", "markov"))
+
+    def head_config(self) -> dict:
+        return {**super().head_config(), "markov_rank": self.sequential.markov_head.rank,
+                "sequential_head": self.sequential.head_kind}
+
+    # ---- training and held-out evaluation on teacher-forced blocks
+    def anchor_blocks(self, batch, features: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor) -> dict:
+        """The blocks at anchors [N, 2] (b, t) of a batch: hidden [N, K, H] (features [K, B, T, H]),
+        previous tokens [N, K] (the anchor t + 1, then the data's tokens t + 2 ..), labels [N, K] (the
+        target's top-1 for t + k + 1), valid [N, K] (valid [K, B, T], cut to a prefix), the target's
+        top-layer state that produced each label [N, K, H] (or None)."""
+        b, t = anchors[:, 0], anchors[:, 1]
+        k = torch.arange(1, self.num_positions + 1, device=t.device)
+        index = (t[:, None] + k[None, :]).clamp(max=batch.tokens.shape[1] - 1)  # [N, K]: position t + k
+        rows = b[:, None].expand_as(index)
+        top = None if batch.top_hidden is None else batch.top_hidden[rows, index]
+        return {"hidden": features[:, b, t].transpose(0, 1), "previous": batch.tokens[rows, index],
+                "labels": batch.target_next[rows, index], "valid": valid[:, b, t].t().long().cumprod(-1).bool(), "top": top}
+
+    def block_logits(self, blocks: dict, parts) -> tuple[torch.Tensor, torch.Tensor]:
+        """(exact draft logits [N, K, V] with the sequential bias, confidence logits [N, K]) of teacher-forced blocks."""
+        return self.sequential.block(parts.lm_head(blocks["hidden"]), blocks["hidden"], blocks["previous"])
+
+    def training_loss(self, batch, features, is_anchor, parts, settings, generator):
+        """0.1 CE + 0.9 TV + 1.0 BCE over whole blocks at this step's anchors (at most loss_rows / K of them)."""
+        from ..train.trainer import label_rows
+
+        greedy_from = self.greedy_path_from if settings.greedy_path_rows else None
+        rows, _ = label_rows(batch, self.num_positions, settings.prompt_rows, greedy_from)
+        valid = torch.zeros(self.num_positions, *batch.tokens.shape, dtype=torch.bool, device=rows.device)  # [K, B, T]
+        valid[rows[:, 0], rows[:, 1], rows[:, 2]] = True
+        anchors = (is_anchor & valid[0]).nonzero()  # [N, 2]: anchors whose first label counts
+        limit = max(1, settings.loss_rows // self.num_positions)
+        if anchors.shape[0] > limit:
+            anchors = anchors[torch.randperm(anchors.shape[0], generator=generator)[:limit].to(anchors.device)]
+        blocks = self.anchor_blocks(batch, features, anchors, valid)
+        logits, confidence = self.block_logits(blocks, parts)
+        decay = -1.0 / math.log(settings.head_decay) if 0 < settings.head_decay < 1 else None
+        loss = dspark_loss(logits, parts.lm_head(blocks["top"]), blocks["labels"], confidence, blocks["valid"], decay)
+        hits = (logits.argmax(-1) == blocks["labels"]) & blocks["valid"]  # [N, K]
+        return loss.total, hits.sum(0).float().cpu(), blocks["valid"].sum(0).float().cpu()

@@ -1,0 +1,64 @@
+"""DSpark drafting (`dspark`): one DFlash backbone forward for the block, then a light sequential
+pass left to right.
+
+The backbone (shared with `dflash`, DFlashRunner) gives the hidden rows of the block
+[root, MASK ...] at the root's position; row k proposes draft token k + 1 (the root row is itself
+the first prediction). Token k is then drawn from the EXACT q_k = warp(lm_head(h_k) + bias_k),
+where bias_k comes from the sequential head given the token drafted at k - 1 (the root for k = 0):
+greedy takes the argmax, temperature > 0 samples, and q_k is passed as draft_probs, so rejection
+sampling stays exact although the rows now depend on each other. Each node also carries its
+calibrated confidence c_k (Draft.confidences), which the confidence scheduler multiplies into
+survivals to cut the block before verification (`--gamma auto`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..checks import check_int
+from ..draft import Draft
+from ..heads import DraftVocab, DSparkModule, FrozenTargetParts, load_checkpoint
+from ..heads.export import is_dspark_export, load_dspark_export
+from .base import DraftContext, register_drafter
+from .dflash import DFlashDrafter
+from .eagle import chain_chooser
+
+
+@register_drafter
+class DSparkDrafter(DFlashDrafter):
+    """DSpark: the DFlash backbone + a sequential (Markov / RNN) head + calibrated confidences.
+
+    checkpoint: directory written by `specdec train dspark` (for this very target), or a DSpark
+        directory in DeepSpec's layout (`specdec export`) for this target.
+    sample: at temperature > 0, sample each draft token from its exact q (draft_probs) instead of argmax.
+    draft_vocab: propose only the checkpoint's N most frequent label tokens (0 = every token).
+    """
+
+    name = "dspark"
+
+    def __init__(self, target=None, checkpoint: str | None = None, sample: bool = True, draft_vocab: int = 8192):
+        if target is None:
+            raise ValueError("the dspark drafter needs the target (its embeddings, LM head and hidden states)")
+        if not checkpoint:
+            raise ValueError("the dspark drafter needs checkpoint=DIR: train one with `specdec train dspark`")
+        if is_dspark_export(Path(checkpoint)):
+            heads, config = load_dspark_export(checkpoint, target), {}
+        else:
+            heads, config = load_checkpoint(checkpoint, target, drafter=self.name)
+        vocab = DraftVocab.from_config(FrozenTargetParts.from_target(target), config, draft_vocab)
+        self._setup(target, heads, vocab, sample)
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, budget: int) -> Draft:
+        if self.runner is None or self.runner.cached == 0 or budget <= 0:
+            return Draft.empty()
+        if len(ctx.tokens) - 1 != self.runner.cached:
+            raise RuntimeError(f"drafter out of sync: {self.runner.cached} positions cached, root at {len(ctx.tokens) - 1}")
+        length = min(check_int("budget", budget, 1), self.heads.num_positions)
+        hidden = self.runner.block_rows(ctx.tokens[-1], length)  # [K, H]
+        base_logits = self.heads.project(hidden, self.vocab.parts).float()  # [K, V'] over the draft vocabulary
+        tokens, probs, confidences = self.heads.sequential.draft(
+            base_logits, hidden, ctx.tokens[-1], chain_chooser(self.vocab, ctx, self.sample), self.vocab.ids)
+        return Draft.chain(torch.tensor(tokens, dtype=torch.long), probs, confidences)
