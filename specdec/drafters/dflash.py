@@ -54,15 +54,19 @@ class DFlashRunner:
             self.cache.write(slot, keys, values)
         self.cache.advance(num_new)
 
-    def block_logits(self, root: int, length: int) -> torch.Tensor:
-        """Logits [length, V'] of the first `length` prediction rows of the block rooted at `root`."""
+    def block_rows(self, root: int, length: int) -> torch.Tensor:
+        """Final-normed hidden states [length, H] of the first `length` prediction rows of the block rooted at `root`."""
         committed = self.cached
         offset = self.heads.prediction_offset
         block = self.heads.block_tokens(torch.tensor([root], device=self.heads.fc.weight.device))  # [1, block_size]
         positions = torch.arange(committed, committed + self.heads.block_size, device=block.device)[None]
         hidden = self.heads.run_block(block, positions, self.cache, None, self.parts)  # [1, block_size, H]
         self.cache.truncate(committed)  # forget the block's keys: only verified positions stay
-        return self.heads.project(hidden[0, offset : offset + length], self.parts).float()  # [length, V']
+        return hidden[0, offset : offset + length]
+
+    def block_logits(self, root: int, length: int) -> torch.Tensor:
+        """Logits [length, V'] of the first `length` prediction rows of the block rooted at `root`."""
+        return self.heads.project(self.block_rows(root, length), self.parts).float()
 
 
 @register_drafter

@@ -314,15 +314,15 @@ class DSparkModule(DFlashModule):
         """(exact draft logits [N, K, V] with the sequential bias, confidence logits [N, K]) of teacher-forced blocks."""
         return self.sequential.block(parts.lm_head(blocks["hidden"]), blocks["hidden"], blocks["previous"])
 
-    def training_loss(self, batch, features, is_anchor, parts, settings, generator):
-        """0.1 CE + 0.9 TV + 1.0 BCE over whole blocks at this step's anchors (at most loss_rows / K of them)."""
-        from ..train.trainer import label_rows
-
-        greedy_from = self.greedy_path_from if settings.greedy_path_rows else None
-        rows, _ = label_rows(batch, self.num_positions, settings.prompt_rows, greedy_from)
-        valid = torch.zeros(self.num_positions, *batch.tokens.shape, dtype=torch.bool, device=rows.device)  # [K, B, T]
+    def valid_blocks(self, batch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(valid [K, B, T] from label rows [N, 3], anchors [A, 2] (b, t): the positions whose first label is valid)."""
+        valid = torch.zeros(self.num_positions, *batch.tokens.shape, dtype=torch.bool, device=rows.device)
         valid[rows[:, 0], rows[:, 1], rows[:, 2]] = True
-        anchors = (is_anchor & valid[0]).nonzero()  # [N, 2]: anchors whose first label counts
+        return valid, valid[0].nonzero()
+
+    def training_loss(self, batch, features, rows, parts, settings, generator):
+        """0.1 CE + 0.9 TV + 1.0 BCE over whole blocks at this step's anchors (at most loss_rows / K of them)."""
+        valid, anchors = self.valid_blocks(batch, rows)
         limit = max(1, settings.loss_rows // self.num_positions)
         if anchors.shape[0] > limit:
             anchors = anchors[torch.randperm(anchors.shape[0], generator=generator)[:limit].to(anchors.device)]

@@ -12,6 +12,15 @@ DFlash directory (`export_dflash`, read back by `load_dflash_export`):
                        dflash_config {mask_token_id, target_layer_ids (0-based target blocks)},
                        num_target_layers, vocab_size (the target's: the engines share its embeddings)
     model.safetensors  fc [H, F*H], hidden_norm, layers.{i}.*, norm; no embed_tokens, no lm_head
+DSpark directory (`export_dspark`, read back by `load_dspark_export`), DeepSpec's public layout:
+    config.json        Qwen3DSparkModel: the DFlash fields above plus, at the top level,
+                       block_size, mask_token_id, target_layer_ids (0-based target blocks),
+                       num_target_layers, markov_rank, markov_head_type (vanilla | rnn),
+                       enable_confidence_head, confidence_head_with_markov, and specdec's fitted
+                       confidence_temperatures [K] (no tensor in DeepSpec's layout holds them)
+    model.safetensors  the DFlash backbone tensors, markov_head.{markov_w1,markov_w2}.weight
+                       (+ joint_proj.{weight,bias} for rnn), confidence_head.proj.{weight,bias}, and
+                       embed_tokens / lm_head (copies of the target's, which DeepSpec's class holds)
 Medusa directory (`export_medusa`): vLLM's MedusaModel — blocks.{k}.layers.{j}.{weight,bias} and
 lm_heads.{k}.weight (a copy of the target's LM head: our heads read it frozen).
 """
@@ -25,11 +34,14 @@ import torch
 
 from .checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from .dflash import DFlashModule
+from .dspark import SEQUENTIAL_HEADS, DSparkModule
 from .eagle import Eagle3Module
 from .modules import FrozenTargetParts, MedusaHeads
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
+DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
+_SEQUENTIAL_PREFIX = "sequential."  # DSparkModule.sequential: DeepSpec keeps markov_head / confidence_head at the top
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _SHAPE_FIELDS = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 
@@ -129,6 +141,33 @@ def export_dflash(module: DFlashModule, out_dir: str | Path, dtype: str = "bfloa
     return _write_directory(Path(out_dir), dflash_export_config(module, dtype), tensors)
 
 
+def export_dspark(module: DSparkModule, target, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    """Write `module` in the layout of DeepSpec's public DSpark checkpoints (with copies of the
+    target's embeddings and LM head, which that layout carries)."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
+    if module.mask_token_id is None:
+        raise ValueError("the DSpark module has no mask_token_id (build it with build_heads, which chooses one)")
+    torch_dtype = EXPORT_DTYPES[dtype]
+    sequential = module.sequential
+    tensors = {name.removeprefix(_SEQUENTIAL_PREFIX): _cast(tensor, torch_dtype) for name, tensor in module.state_dict().items()
+               if name != _SEQUENTIAL_PREFIX + "confidence_temperatures"}
+    parts = FrozenTargetParts.from_target(target)
+    tensors["embed_tokens.weight"] = _cast(parts.embed_weight, torch_dtype).clone()
+    tensors["lm_head.weight"] = _cast(parts.lm_head_weight, torch_dtype).clone()
+    config = dflash_export_config(module, dtype)
+    for engine_only in ("auto_map", "dflash_config"):
+        config.pop(engine_only)
+    config.update({
+        "architectures": [DSPARK_ARCHITECTURE], "mask_token_id": module.mask_token_id,
+        "target_layer_ids": module.target_layer_ids, "num_anchors": 512, "markov_rank": sequential.markov_head.rank,
+        "markov_head_type": sequential.markov_head.deepspec_type, "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+        "confidence_temperatures": [float(t) for t in sequential.confidence_temperatures],
+    })
+    return _write_directory(Path(out_dir), config, tensors)
+
+
 def export_medusa(heads: MedusaHeads, target, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
     """Write Medusa heads in vLLM's MedusaModel layout (each head gets a copy of the target's LM head)."""
     if dtype not in EXPORT_DTYPES:
@@ -171,6 +210,10 @@ def is_eagle3_export(directory: Path) -> bool:
 
 def is_dflash_export(directory: Path) -> bool:
     return DFLASH_ARCHITECTURE in _architectures(directory)
+
+
+def is_dspark_export(directory: Path) -> bool:
+    return DSPARK_ARCHITECTURE in _architectures(directory)
 
 
 def _target_shape_mismatch(config: dict, cfg) -> dict:
@@ -258,5 +301,47 @@ def load_eagle3_export(directory: str | Path, target) -> Eagle3Module:
     missing, unexpected = module.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{directory} is not an EAGLE-3 drafter in the LlamaForCausalLMEagle3 layout: "
+                         f"missing {sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}")
+    return module.to(device=target.device, dtype=target.dtype).eval()
+
+
+def load_dspark_export(directory: str | Path, target) -> DSparkModule:
+    """A DSpark directory in DeepSpec's layout (ours, or a published one for this target) as a
+    module on the target's device / dtype; its embed_tokens / lm_head copies are dropped (the
+    target's own are used)."""
+    directory = Path(directory)
+    config = json.loads((directory / CONFIG_FILE).read_text())
+    cfg = target.config
+    wrong = _target_shape_mismatch(config, cfg)
+    if config.get("num_target_layers", cfg.num_hidden_layers) != cfg.num_hidden_layers:
+        wrong["num_target_layers"] = (config.get("num_target_layers"), cfg.num_hidden_layers)
+    if wrong:
+        raise ValueError(f"DSpark drafter {directory} does not fit target {getattr(target, 'name', '')!r} "
+                         f"(field: drafter, target): {wrong}")
+    missing_keys = [key for key in ("block_size", "mask_token_id", "target_layer_ids", "markov_rank") if config.get(key) is None]
+    if missing_keys:
+        raise ValueError(f"{directory} is not a DSpark drafter: config.json lacks {missing_keys}")
+    head = {cls.deepspec_type: kind for kind, cls in SEQUENTIAL_HEADS.items()}.get(config.get("markov_head_type", "vanilla"))
+    if head is None or not config.get("enable_confidence_head", True) or not config.get("confidence_head_with_markov", True):
+        raise ValueError(f"{directory}: specdec runs DSpark with a vanilla or rnn Markov head and a confidence head "
+                         f"reading it; this one has markov_head_type {config.get('markov_head_type')!r}, "
+                         f"confidence head {config.get('enable_confidence_head')}, with markov {config.get('confidence_head_with_markov')}")
+    module = DSparkModule(cfg, block_size=int(config["block_size"]), num_draft_layers=int(config.get("num_hidden_layers", 1)),
+                          mask_token_id=int(config["mask_token_id"]), intermediate_size=config.get("intermediate_size"),
+                          input_layers=tuple(int(i) + 1 for i in config["target_layer_ids"]),
+                          markov_rank=int(config["markov_rank"]), sequential_head=head)
+    state = {}
+    for name, tensor in _read_weights(directory, "DSpark").items():
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            continue
+        is_sequential = name.startswith(("markov_head.", "confidence_head."))
+        state[(_SEQUENTIAL_PREFIX if is_sequential else "") + name] = tensor.float()
+    temperatures = config.get("confidence_temperatures") or [1.0] * module.block_size
+    if len(temperatures) != module.block_size:
+        raise ValueError(f"{directory}: {len(temperatures)} confidence_temperatures for a block of {module.block_size}")
+    state[_SEQUENTIAL_PREFIX + "confidence_temperatures"] = torch.tensor(temperatures, dtype=torch.float32)
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{directory} is not a DSpark drafter in DeepSpec's layout: "
                          f"missing {sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}")
     return module.to(device=target.device, dtype=target.dtype).eval()

@@ -249,6 +249,13 @@ class DraftHeads(nn.Module):
     def fit_vocabulary(self, ranked_ids: list[int], target) -> None:
         """Before training from scratch: the data's label tokens, most frequent first."""
 
+    def training_loss(self, batch, features: torch.Tensor, rows: torch.Tensor, parts: FrozenTargetParts,
+                      settings, generator: torch.Generator):
+        """A module's own training loss (loss, correct [K], counted [K]) over `features` [K, B, T, H]
+        and the step's valid label rows [N, 3] (head k - 1, b, t), or None: the trainer's per-row
+        token loss (DSpark trains whole blocks through its sequential head)."""
+        return None
+
     def token_loss(self, readout: torch.Tensor, labels: torch.Tensor, parts: FrozenTargetParts,
                    target_top: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-row loss [N], top-1 correct [N]) for readout rows [N, H] and label ids [N] (ids of

@@ -1,4 +1,4 @@
-"""`specdec train data | medusa | mtp | eagle1 | eagle3 | eval` and `specdec export` (routed here by specdec.cli).
+"""`specdec train data | medusa | mtp | eagle1 | eagle3 | dflash | dspark | eval` and `specdec export` (routed here by specdec.cli).
 
     specdec train data   --model smollm2-135m --out data/smollm2 --num-prompts 32 --max-new-tokens 128
     specdec train data   --model smollm2-135m --out data/smollm2-mix --num-prompts 64 --prompt-mix conversation=0.5,math=0.5
@@ -11,6 +11,8 @@
     specdec train data   --model smollm2-135m --out data/smollm2-df --for dflash      # + DFlash's fused layers
     specdec train dflash --model smollm2-135m --data data/smollm2-df --out ckpt/dflash --minutes 2
     specdec export ckpt/dflash out/dflash-sglang                                         # DFlashDraftModel layout
+    specdec train dspark --model smollm2-135m --data data/smollm2-df --out ckpt/dspark --minutes 2   # + calibration
+    specdec export ckpt/dspark out/dspark-deepspec                                       # DeepSpec's DSpark layout
 
 Then: `specdec generate "..." --drafter medusa --drafter-arg checkpoint=ckpt/medusa`.
 """
@@ -30,9 +32,9 @@ DEFAULT_MINUTES = 10.0  # when neither --steps nor --minutes is given
 # CPU defaults favour many cheap steps (measured on SmolLM2 with 2-minute runs: MTP batch 2 beat 8,
 # 256 LM-head rows beat 1024); the [rows, V] logits and the MTP blocks dominate a step's cost
 DEFAULT_LOSS_ROWS_CPU, DEFAULT_LOSS_ROWS_CUDA = 256, 2048
-DEFAULT_BATCH_CPU = {"medusa": 8, "mtp-parallel": 2, "mtp-sequential": 2, "eagle1": 2, "eagle3": 2, "dflash": 2}  # Medusa's cost is the LM-head rows
+DEFAULT_BATCH_CPU = {"medusa": 8, "mtp-parallel": 2, "mtp-sequential": 2, "eagle1": 2, "eagle3": 2, "dflash": 2, "dspark": 2}  # Medusa's cost is the LM-head rows
 DEFAULT_BATCH_CUDA = 16
-DEFAULT_LR = {"medusa": 1e-3, "mtp-parallel": 1e-3, "mtp-sequential": 1e-3, "eagle1": 1e-3, "eagle3": 1e-3, "dflash": 1e-3}
+DEFAULT_LR = {"medusa": 1e-3, "mtp-parallel": 1e-3, "mtp-sequential": 1e-3, "eagle1": 1e-3, "eagle3": 1e-3, "dflash": 1e-3, "dspark": 1e-3}
 # EAGLE-1's loss: feature regression + 0.1 x token cross-entropy (its paper's weights), i.e. CE + 10 x smooth L1
 DEFAULT_FEATURE_WEIGHT = {"eagle1": 10.0}
 # --flavour -> (head kind, the option holding its number of head positions)
@@ -132,6 +134,19 @@ def _add_common_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _add_block_arguments(parser: argparse.ArgumentParser, block_help: str) -> None:
+    """The block drafters' options (DFlash and DSpark share the backbone)."""
+    _add_common_training_arguments(parser)
+    parser.add_argument("--block-size", type=int, default=8, help=block_help)
+    parser.add_argument("--draft-layers", type=int, default=3,
+                        help="decoder layers; also the number of fused target layers (spread over blocks 1 .. N-3)")
+    parser.add_argument("--decay-gamma", type=float, default=4.0,
+                        help="block position k's loss weight is exp(-(k-1)/gamma) (replaces --head-decay)")
+    parser.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step, anchored at random answer positions")
+    parser.add_argument("--mask-token-id", type=int, default=None,
+                        help="the MASK token (default: the highest id with a non-zero embedding row)")
+
+
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="train_command", required=True)
     _add_data_arguments(sub.add_parser("data", help="self-distillation data: the target answers offline prompts"))
@@ -169,17 +184,19 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
     dflash = sub.add_parser("dflash", help="train a DFlash block-diffusion drafter (drafter `dflash`; `specdec export` "
                                            "for SGLang / vLLM)")
-    _add_common_training_arguments(dflash)
-    dflash.add_argument("--block-size", type=int, default=8, help="block = the anchor + block_size - 1 drafted tokens")
-    dflash.add_argument("--draft-layers", type=int, default=3,
-                        help="decoder layers; also the number of fused target layers (spread over blocks 1 .. N-3)")
-    dflash.add_argument("--decay-gamma", type=float, default=4.0,
-                        help="block position k's loss weight is exp(-(k-1)/gamma) (replaces --head-decay)")
-    dflash.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step, anchored at random answer positions")
-    dflash.add_argument("--mask-token-id", type=int, default=None,
-                        help="the MASK token (default: the highest id with a non-zero embedding row)")
+    _add_block_arguments(dflash, "block = the anchor + block_size - 1 drafted tokens")
     dflash.set_defaults(train_func=run_heads_training, head_kind=lambda args: ("dflash", {
         "num_positions": args.block_size - 1, "block_size": args.block_size, "num_draft_layers": args.draft_layers, "mask_token_id": args.mask_token_id}))
+
+    dspark = sub.add_parser("dspark", help="train a DSpark drafter (drafter `dspark`): the DFlash backbone + a sequential "
+                                           "head + a calibrated confidence head; `specdec export` for DeepSpec's layout")
+    _add_block_arguments(dspark, "block = block_size drafted tokens (the anchor row is the first prediction)")
+    dspark.add_argument("--markov-rank", type=int, default=64, help="rank r of the sequential head's bias W2 W1[x_{k-1}]")
+    dspark.add_argument("--sequential-head", choices=["markov", "rnn"], default="markov",
+                        help="markov: bias from the previous token; rnn: a gated state over the drafted prefix")
+    dspark.set_defaults(train_func=run_heads_training, head_kind=lambda args: ("dspark", {
+        "num_positions": args.block_size, "block_size": args.block_size, "num_draft_layers": args.draft_layers,
+        "mask_token_id": args.mask_token_id, "markov_rank": args.markov_rank, "sequential_head": args.sequential_head}))
 
     evaluate = sub.add_parser("eval", help="a checkpoint's agreement with the target on the held-out part of training data")
     evaluate.add_argument("--model", required=True, help="the target the checkpoint was trained for")
@@ -294,14 +311,16 @@ def _resolve_device_and_dtype(args) -> tuple[str, str]:
 
 
 def run_heads_training(args) -> int:
-    from ..heads import CONFIG_FILE, build_heads, target_description
+    import torch
+
+    from ..heads import CONFIG_FILE, DSparkModule, build_heads, target_description
     from .trainer import STATE_FILE, TrainSettings, train
 
     out = Path(args.out)
     if not args.resume and not args.overwrite and ((out / CONFIG_FILE).exists() or (out / STATE_FILE).exists()):
         raise ValueError(f"{out} already holds a checkpoint: pass --resume to continue it or --overwrite to start over")
     kind, options = args.head_kind(args)
-    if kind == "dflash":  # the block's weights exp(-(k - 1) / gamma) are head_decay^(k - 1)
+    if hasattr(args, "decay_gamma"):  # block drafters: the block's weights exp(-(k - 1) / gamma) are head_decay^(k - 1)
         if not args.decay_gamma > 0:
             raise ValueError(f"--decay-gamma must be > 0, got {args.decay_gamma!r}")
         args.head_decay = math.exp(-1.0 / args.decay_gamma)
@@ -331,6 +350,15 @@ def run_heads_training(args) -> int:
           f"(rows on the target's greedy path: {on_path}); held-out tau {result.eval['tau']:.2f} "
           f"({result.eval['tau_chains']} chains of {heads.num_positions}); "
           f"checkpoint {out} (plot {out / 'training.png'})")
+    if isinstance(heads, DSparkModule):  # sequential temperature scaling of the confidences on the held-out split
+        from ..heads import FrozenTargetParts
+        from .dspark import CALIBRATION_FILE, calibrate_checkpoint, describe
+        from .trainer import split_samples
+
+        parts = FrozenTargetParts.from_target(target).to(device, torch.float32)
+        held_out = split_samples(samples, settings.eval_fraction)[1]
+        report = calibrate_checkpoint(heads, held_out, parts, settings, out, device)
+        print(f"dspark calibration ({out / CALIBRATION_FILE}):\n{describe(report)}")
     return 0
 
 
@@ -350,16 +378,16 @@ def run_export(args) -> int:
     import json
 
     from ..heads import HEAD_TYPES, read_checkpoint_config
-    from ..heads.export import export_dflash, export_eagle3, export_medusa
+    from ..heads.export import export_dflash, export_dspark, export_eagle3, export_medusa
 
     out = Path(args.out_dir)
     if (out / "config.json").exists() and not args.overwrite:
         raise ValueError(f"{out} already holds a config.json: pass --overwrite to replace it")
     config = read_checkpoint_config(args.checkpoint)
     kind = config["head"]["kind"]
-    if kind not in ("eagle3", "dflash", "medusa"):
-        raise ValueError(f"{args.checkpoint} holds {kind!r} heads; serving engines load EAGLE-3 and DFlash drafters and "
-                         "Medusa heads (train with `specdec train eagle3|dflash|medusa`)")
+    if kind not in ("eagle3", "dflash", "dspark", "medusa"):
+        raise ValueError(f"{args.checkpoint} holds {kind!r} heads; exports exist for EAGLE-3, DFlash and DSpark drafters and "
+                         "Medusa heads (train with `specdec train eagle3|dflash|dspark|medusa`)")
     from safetensors.torch import load_file
 
     from ..heads import check_target_matches
@@ -390,6 +418,11 @@ def run_export(args) -> int:
     check_target_matches(config, target, f"checkpoint {args.checkpoint}")
     heads = HEAD_TYPES[kind].from_config(config["head"], target.config)
     heads.load_state_dict(state)
+    if kind == "dspark":  # DeepSpec's layout carries copies of the target's embeddings and LM head
+        export_dspark(heads, target, out, args.dtype)
+        print(f"DSpark drafter for {config['target']['name']!r} in DeepSpec's layout in {out} "
+              f"(load back: --drafter dspark --drafter-arg checkpoint={out})")
+        return 0
     export_medusa(heads, target, out, args.dtype)
     print(f"Medusa heads in vLLM's layout in {out}")
     return 0

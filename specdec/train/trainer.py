@@ -261,6 +261,9 @@ def heads_loss(heads: DraftHeads, batch: Batch, parts: FrozenTargetParts, settin
     if is_anchor is not None:
         keep = is_anchor[rows[:, 1], rows[:, 2]]
         rows, labels = rows[keep], labels[keep]
+    own_loss = heads.training_loss(batch, features, rows, parts, settings, generator)
+    if own_loss is not None:
+        return own_loss
     proposable = heads.in_vocabulary(labels)  # EAGLE-3: rows whose label is outside the draft vocabulary are masked
     rows, labels = rows[proposable], labels[proposable]
     if rows.shape[0] > settings.loss_rows:
