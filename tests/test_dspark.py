@@ -2,15 +2,30 @@
 values, sequential temperature scaling lowers the ECE of the survival, and (with a DFlash backbone)
 the drafter is lossless greedy and distributed like the target when sampling."""
 
+import json
 import math
 
 import pytest
 import torch
+from conftest import assert_close_to_scale
+from safetensors.torch import load_file
+from test_eagle import WrongQ
+from test_train import _proposal, make_counter_target, text_prompts, token_marginal_pvalues
 
+from specdec import SamplingParams, generate
+from specdec.api import generate_batch
+from specdec.draft import Draft
+from specdec.drafters.dspark import DSparkDrafter
+from specdec.heads import FrozenTargetParts, target_description
 from specdec.heads.dspark import (
     SequentialParts, analytic_acceptance, dspark_loss, expected_calibration_error, fit_sequential_temperatures,
     position_weights, survival_ece,
 )
+from specdec.heads.export import export_dspark, load_dspark_export
+from specdec.sampling import warp_logits_to_probs
+from specdec.train import DataSettings, TrainSettings, build_dataset, build_heads, load_samples, train
+from specdec.train.dspark import calibrate_checkpoint
+from specdec.train.trainer import split_samples
 
 V, H, K = 11, 8, 4
 
@@ -33,6 +48,7 @@ def test_sequential_bias_depends_on_the_previous_token(head):
         torch.testing.assert_close(bias_a[0], w2 @ w1[2])
 
 
+@torch.no_grad()
 def test_rnn_state_carries_tokens_before_the_previous_one():
     torch.manual_seed(0)
     parts = SequentialParts(V, H, K, rank=3, head="rnn")
@@ -120,3 +136,199 @@ def test_sequential_temperature_scaling_lowers_the_ece_of_a_miscalibrated_head()
     for k in range(2):
         assert after[k] < 0.5 * before[k], (before, after)
     assert max(after) < 0.03, after
+
+
+# ----------------------------------------------------------------------------- on a DFlash backbone
+BLOCK = 4  # DSpark drafts all BLOCK rows (the anchor row is the first prediction)
+
+
+@pytest.fixture(scope="module")
+def counter(tmp_path_factory):
+    return make_counter_target(tmp_path_factory.mktemp("counter") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def dspark_data(counter, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dspark_data") / "data"
+    settings = DataSettings(num_prompts=16, max_new_tokens=40, shard_size=8, sampled_fraction=0.0, layers=[0, 1, 2, 3])
+    build_dataset(counter, out, settings, prompts=text_prompts(16, seed=0), progress=False, log=lambda _: None)
+    return out
+
+
+def _settings(**changes):
+    return TrainSettings(**{"steps": 120, "lr": 3e-3, "batch_size": 4, "loss_rows": 256, "warmup_steps": 10,
+                            "eval_every": 60, "save_every": 100, "anchors_per_row": 8, "eval_fraction": 0.25, **changes})
+
+
+@pytest.fixture(scope="module")
+def trained(counter, dspark_data, tmp_path_factory):
+    """(checkpoint dir, TrainResult, module, calibration report) of a Markov DSpark trained on the counter."""
+    out = tmp_path_factory.mktemp("dspark") / "ckpt"
+    heads = build_heads("dspark", counter, BLOCK, block_size=BLOCK, num_draft_layers=2, markov_rank=8)
+    _, samples = load_samples(dspark_data, sorted({*heads.input_layers, counter.num_layers}), counter)
+    settings = _settings()
+    result = train(heads, counter, samples, out, settings, target_description(counter), progress=False, log=lambda _: None)
+    parts = FrozenTargetParts.from_target(counter).to(dtype=torch.float32)
+    report = calibrate_checkpoint(heads, split_samples(samples, settings.eval_fraction)[1], parts, settings, out)
+    return out, result, heads, report
+
+
+def _perturbed(module, seed=0, scale=0.05):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.add_(torch.randn_like(param) * scale)
+    return module.eval()
+
+
+def test_dspark_backbone_drafts_from_the_anchor_row(counter):
+    module = build_heads("dspark", counter, BLOCK, block_size=BLOCK)
+    assert module.block_size == module.num_positions == BLOCK and module.prediction_offset == 0
+    assert module.head_config()["kind"] == "dspark"
+
+
+@torch.no_grad()
+def test_drafted_q_is_the_trained_computation(smollm2):
+    """On SmolLM2 with random weights: the drafter's exact q rows (backbone + sequential bias given
+    the token it drafted before) equal the teacher-forced training logits of the same tokens."""
+    for head in ("markov", "rnn"):
+        module = _perturbed(build_heads("dspark", smollm2, 5, block_size=5, markov_rank=16, sequential_head=head), scale=0.02)
+        torch.nn.init.normal_(module.sequential.markov_head.markov_w2.weight, std=0.5)
+        drafter = DSparkDrafter.from_module(smollm2, module)
+        prompt = smollm2.tokenizer.encode("The capital of France is")
+        draft = _proposal(drafter, smollm2, prompt, 5, SamplingParams(temperature=1.0, seed=1))
+        assert draft.confidences is not None and draft.confidences.shape == (5,)
+        parts = FrozenTargetParts.from_target(smollm2)
+        cached = prompt[:-1]
+        _, hiddens = smollm2.forward(torch.tensor([cached]), torch.arange(len(cached))[None], smollm2.new_cache(1, 64),
+                                     hidden_layers=module.input_layers)
+        context = torch.cat([hiddens[layer] for layer in module.input_layers], dim=-1)  # [1, T, F*H]
+        hidden = module.block_hidden(context, torch.tensor([prompt[-1]]), parts)  # [1, K, H]
+        previous = torch.tensor([[prompt[-1], *draft.tokens[:-1].tolist()]])
+        logits, confidence = module.block_logits({"hidden": hidden, "previous": previous}, parts)
+        assert_close_to_scale(draft.draft_probs, torch.softmax(logits[0].float(), -1), what=f"{head}: q")
+        assert_close_to_scale(draft.confidences, module.sequential.calibrated(confidence)[0], what=f"{head}: confidences")
+
+
+def test_greedy_on_smollm2_through_the_loop_equals_plain(smollm2):
+    """An untrained (random) DSpark is still lossless: a batch of two prompts, greedy."""
+    module = _perturbed(build_heads("dspark", smollm2, 4, block_size=4, markov_rank=16), scale=0.02)
+    drafter = DSparkDrafter.from_module(smollm2, module)
+    prompts = [smollm2.tokenizer.encode("def add(a, b):"), smollm2.tokenizer.encode("One, two, three,")]
+    results = generate_batch(smollm2, prompts, drafter, max_new_tokens=12)
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == generate(smollm2, prompt, max_new_tokens=12).tokens
+
+
+def test_training_learns_blocks_and_calibration_is_stored(trained):
+    checkpoint, result, module, report = trained
+    assert result.history["train"][-1]["loss"] < 0.5 * result.history["train"][0]["loss"]
+    assert report["tau"] > 3.0  # of at most BLOCK + 1 per verify, with the sequential head
+    assert len(report["temperatures"]) == BLOCK and min(report["temperatures"]) > 0
+    assert len(report["ece_before"]) == len(report["ece_after"]) == BLOCK
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["calibration"]["temperatures"] == report["temperatures"]
+    stored = load_file(str(checkpoint / "model.safetensors"))["sequential.confidence_temperatures"]
+    assert stored.tolist() == pytest.approx(report["temperatures"])
+    assert (checkpoint / "calibration.json").is_file()
+
+
+def test_greedy_batch_through_the_loop_equals_plain(counter, trained):
+    drafter = DSparkDrafter(counter, checkpoint=str(trained[0]))
+    prompts = [[5, 6, 7, 8], [20, 21], [13, 3, 22, 9]]
+    results = generate_batch(counter, prompts, drafter, max_new_tokens=30)
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == generate(counter, prompt, max_new_tokens=30).tokens
+        assert result.stats.tau > 2.5
+
+
+class BackboneQ(WrongQ):
+    """Samples tokens from the exact q but reports the backbone's q WITHOUT the sequential bias."""
+
+    def for_sequence(self):
+        return BackboneQ(self.inner.for_sequence())
+
+    @torch.inference_mode()
+    def propose(self, ctx, budget):
+        draft = self.inner.propose(ctx, budget)
+        if draft.draft_probs is None:
+            return draft
+        inner = self.inner
+        hidden = inner.runner.block_rows(ctx.tokens[-1], len(draft))
+        base = warp_logits_to_probs(inner.heads.project(hidden, inner.vocab.parts).float(), ctx.sampling)
+        return Draft.chain(draft.tokens, torch.stack([inner.vocab.full_probs(row) for row in base]), draft.confidences)
+
+
+def test_sampled_blocks_keep_the_target_distribution(counter, trained):
+    """Temperature 1: tokens are sampled left to right from the exact q (the bias given the token
+    sampled before); outputs follow the target exactly. The same test fails a drafter that reports
+    the backbone's q without the sequential bias (a module with a strong bias, so the two differ)."""
+    drafter = DSparkDrafter(counter, checkpoint=str(trained[0]))
+    prompt, runs = [5, 6, 7, 8], 1500
+    sampling = [SamplingParams(1.0, seed=seed) for seed in range(runs)]
+    results = generate_batch(counter, [prompt] * runs, drafter, max_new_tokens=4, sampling=sampling)
+    assert sum(r.stats.accepted_tokens for r in results) > 0.1 * runs
+    assert min(token_marginal_pvalues(counter, prompt, results)) > 1e-3
+    strong = build_heads("dspark", counter, BLOCK, block_size=BLOCK, num_draft_layers=2, markov_rank=8)
+    strong.load_state_dict(trained[2].state_dict())
+    with torch.no_grad():
+        strong.sequential.markov_head.markov_w2.weight.normal_(0, 3.0)
+    wrong = generate_batch(counter, [prompt] * 500, BackboneQ(DSparkDrafter.from_module(counter, strong)), max_new_tokens=4,
+                           sampling=sampling[:500])
+    assert min(token_marginal_pvalues(counter, prompt, wrong)) < 1e-6
+
+
+def test_export_is_deepspec_layout_and_loads_back(counter, trained, tmp_path):
+    """DeepSpec's Qwen3DSparkModel checkpoints: the DFlash backbone names, markov_head.markov_w1 [V, r],
+    markov_head.markov_w2 [V, r], confidence_head.proj [1, H + r] (+ bias), embed_tokens / lm_head,
+    and config keys block_size, mask_token_id, target_layer_ids, markov_rank, markov_head_type,
+    enable_confidence_head, confidence_head_with_markov (read in their modeling/dspark code)."""
+    checkpoint, _, module, report = trained
+    export_dspark(module, counter, tmp_path / "fp32", dtype="float32")
+    tensors = load_file(str(tmp_path / "fp32" / "model.safetensors"))
+    hidden, vocab, rank = counter.hidden_size, counter.vocab_size, 8
+    assert tuple(tensors["markov_head.markov_w1.weight"].shape) == (vocab, rank)
+    assert tuple(tensors["markov_head.markov_w2.weight"].shape) == (vocab, rank)
+    assert tuple(tensors["confidence_head.proj.weight"].shape) == (1, hidden + rank)
+    assert tuple(tensors["confidence_head.proj.bias"].shape) == (1,)
+    assert tuple(tensors["embed_tokens.weight"].shape) == tuple(tensors["lm_head.weight"].shape) == (vocab, hidden)
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight"} <= set(tensors)
+    assert not any(name.startswith("sequential.") for name in tensors)
+    config = json.loads((tmp_path / "fp32" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["block_size"] == BLOCK
+    assert config["target_layer_ids"] == [layer - 1 for layer in module.input_layers]
+    assert (config["markov_rank"], config["markov_head_type"]) == (rank, "vanilla")
+    assert config["enable_confidence_head"] is True and config["confidence_head_with_markov"] is True
+    assert config["mask_token_id"] == module.mask_token_id and config["num_target_layers"] == counter.num_layers
+    assert config["confidence_temperatures"] == pytest.approx(report["temperatures"])
+
+    loaded = load_dspark_export(tmp_path / "fp32", counter)
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    from_checkpoint = DSparkDrafter(counter, checkpoint=str(checkpoint), draft_vocab=0)
+    from_export = DSparkDrafter(counter, checkpoint=str(tmp_path / "fp32"))
+    for prompt in ([5, 6, 7, 8], [20, 21, 22]):
+        for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=3)):
+            a = _proposal(from_checkpoint, counter, prompt, BLOCK, sampling)
+            b = _proposal(from_export, counter, prompt, BLOCK, sampling)
+            assert torch.equal(a.tokens, b.tokens) and torch.equal(a.confidences, b.confidences)
+            assert (a.draft_probs is None) == (b.draft_probs is None)
+            if a.draft_probs is not None:
+                assert torch.equal(a.draft_probs, b.draft_probs)
+    export_dspark(module, counter, tmp_path / "bf16")
+    bf16 = DSparkDrafter(counter, checkpoint=str(tmp_path / "bf16"))
+    assert generate(counter, [5, 6, 7, 8], bf16, max_new_tokens=20).tokens == generate(counter, [5, 6, 7, 8], max_new_tokens=20).tokens
+
+
+def test_bad_dspark_inputs_are_clear_errors(counter, trained, smollm2, tmp_path):
+    export_dspark(trained[2], counter, tmp_path / "export", dtype="float32")
+    with pytest.raises(ValueError, match="does not fit target"):
+        DSparkDrafter(smollm2, checkpoint=str(tmp_path / "export"))
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    (tmp_path / "export" / "config.json").write_text(json.dumps({**config, "markov_head_type": "gated"}))
+    with pytest.raises(ValueError, match="gated"):
+        DSparkDrafter(counter, checkpoint=str(tmp_path / "export"))
+    with pytest.raises(ValueError, match="checkpoint=DIR"):
+        DSparkDrafter(counter)
+    with pytest.raises(ValueError, match="unknown DSpark sequential head"):
+        build_heads("dspark", counter, 4, sequential_head="lstm")

@@ -62,3 +62,8 @@ class DSparkDrafter(DFlashDrafter):
         tokens, probs, confidences = self.heads.sequential.draft(
             base_logits, hidden, ctx.tokens[-1], chain_chooser(self.vocab, ctx, self.sample), self.vocab.ids)
         return Draft.chain(torch.tensor(tokens, dtype=torch.long), probs, confidences)
+
+    def _setup(self, target, heads, vocab: DraftVocab, sample: bool) -> None:
+        if not isinstance(heads, DSparkModule):
+            raise ValueError(f"the dspark drafter runs 'dspark' modules, got {heads.kind!r}")
+        super()._setup(target, heads, vocab, sample)
