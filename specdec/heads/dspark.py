@@ -320,6 +320,14 @@ class DSparkModule(DFlashModule):
         valid[rows[:, 0], rows[:, 1], rows[:, 2]] = True
         return valid, valid[0].nonzero()
 
+    def label_logits(self, batch, features, rows, parts):
+        """Each row's exact logits: its anchor's whole block is run through the sequential head
+        (teacher-forced with the batch's tokens), then the row's position is read."""
+        anchors, which = torch.unique(rows[:, 1:], dim=0, return_inverse=True)  # [A, 2] (b, t), [N]
+        everything = torch.ones(self.num_positions, *batch.tokens.shape, dtype=torch.bool, device=rows.device)
+        logits, _ = self.block_logits(self.anchor_blocks(batch, features, anchors, everything), parts)  # [A, K, V]
+        return logits[which, rows[:, 0]]
+
     def training_loss(self, batch, features, rows, parts, settings, generator):
         """0.1 CE + 0.9 TV + 1.0 BCE over whole blocks at this step's anchors (at most loss_rows / K of them)."""
         valid, anchors = self.valid_blocks(batch, rows)

@@ -249,6 +249,11 @@ class DraftHeads(nn.Module):
     def fit_vocabulary(self, ranked_ids: list[int], target) -> None:
         """Before training from scratch: the data's label tokens, most frequent first."""
 
+    def label_logits(self, batch, features: torch.Tensor, rows: torch.Tensor, parts: FrozenTargetParts) -> torch.Tensor:
+        """Logits [N, V'] of label rows [N, 3] (head k - 1, b, t) of `features` [K, B, T, H] as drafting
+        would compute them given the batch's tokens (DSpark adds its sequential bias)."""
+        return self.project(features[rows[:, 0], rows[:, 1], rows[:, 2]], parts)
+
     def training_loss(self, batch, features: torch.Tensor, rows: torch.Tensor, parts: FrozenTargetParts,
                       settings, generator: torch.Generator):
         """A module's own training loss (loss, correct [K], counted [K]) over `features` [K, B, T, H]

@@ -321,7 +321,7 @@ def evaluate(heads: DraftHeads, samples: list[Sample], parts: FrozenTargetParts,
                 rows, labels = rows[pick], labels[pick]
             for chunk in range(0, rows.shape[0], 512):
                 part_rows, part_labels = rows[chunk : chunk + 512], labels[chunk : chunk + 512]
-                logits = heads.project(features[part_rows[:, 0], part_rows[:, 1], part_rows[:, 2]], parts).float()
+                logits = heads.label_logits(batch, features, part_rows, parts).float()
                 # a label outside a reduced draft vocabulary (EAGLE-3) adds no loss but counts as missed
                 loss_sum += float(F.cross_entropy(logits, heads.to_draft_indices(part_labels), reduction="sum", ignore_index=-100))
                 rows_total += part_rows.shape[0]
@@ -370,7 +370,9 @@ def chain_acceptance(heads: DraftHeads, batch: Batch, features: torch.Tensor, pa
         starts = starts[torch.randperm(starts.numel(), generator=generator)[:TAU_CHAINS_PER_SAMPLE].to(starts.device)]
     if starts.numel() == 0:
         return 0, torch.zeros(0)
-    logits = heads.project(features[:, 0, starts], parts).float()  # [K, n, V']
+    k_index = torch.arange(num_positions, device=starts.device).repeat_interleave(starts.numel())  # [K * n]
+    chain_rows = torch.stack([k_index, torch.zeros_like(k_index), starts.repeat(num_positions)], dim=1)
+    logits = heads.label_logits(batch, features, chain_rows, parts).float().view(num_positions, starts.numel(), -1)  # [K, n, V']
     proposed = heads.to_target_ids(logits.argmax(-1))  # [K, n]
     k = torch.arange(1, num_positions + 1, device=starts.device)[:, None]  # [K, 1]
     labels = batch.target_next[0, starts[None, :] + k]  # [K, n]: the target's token t + k + 1
