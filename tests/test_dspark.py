@@ -14,6 +14,8 @@ from test_train import _proposal, make_counter_target, text_prompts, token_margi
 
 from specdec import SamplingParams, generate
 from specdec.api import generate_batch
+from specdec.budget import AutoBudget
+from specdec.cost import CostTable
 from specdec.draft import Draft
 from specdec.drafters.dspark import DSparkDrafter
 from specdec.heads import FrozenTargetParts, target_description
@@ -22,6 +24,7 @@ from specdec.heads.dspark import (
     position_weights, survival_ece,
 )
 from specdec.heads.export import export_dspark, load_dspark_export
+from specdec.loop import run
 from specdec.sampling import warp_logits_to_probs
 from specdec.train import DataSettings, TrainSettings, build_dataset, build_heads, load_samples, train
 from specdec.train.dspark import calibrate_checkpoint
@@ -241,6 +244,18 @@ def test_greedy_batch_through_the_loop_equals_plain(counter, trained):
     for prompt, result in zip(prompts, results):
         assert result.tokens == generate(counter, prompt, max_new_tokens=30).tokens
         assert result.stats.tau > 2.5
+
+
+def test_auto_budget_batch_equals_plain(counter, trained):
+    """--gamma auto: the cost model (and the confidence scheduler, which reads Draft.confidences)
+    decides how much of each block is verified; greedy output stays plain decoding's."""
+    table = CostTable({}, [1, 2, 4, 8, 13, 256], [1000.0, 1040.0, 1100.0, 1250.0, 1400.0, 14000.0])
+    drafter = DSparkDrafter(counter, checkpoint=str(trained[0]))
+    prompts = [[5, 6, 7, 8], [20, 21]]
+    results = run(counter, prompts, drafter, 30, SamplingParams(), (), AutoBudget(table, max_budget=BLOCK)).finish()
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == generate(counter, prompt, max_new_tokens=30).tokens
+        assert result.stats.tau > 1.5
 
 
 class BackboneQ(WrongQ):
