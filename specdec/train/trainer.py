@@ -1,4 +1,4 @@
-"""One training loop for every head type (Medusa heads, MTP parallel heads, MTP sequential module).
+"""One training loop for every head type (Medusa, MTP parallel / sequential, EAGLE-1 / EAGLE-3, DFlash).
 
 The target stays frozen; only the head module trains. Labels are the target's own choices
 (self-distilled data, specdec.train.data): head position k at position t learns the target's top-1
@@ -17,6 +17,11 @@ head_decay^(k - 1) (Medusa's 0.8^k) and averaged. AdamW, linear warmup then cosi
 `min_lr_ratio`, gradient clipping, bf16 autocast or fp32, a time budget, held-out evaluation
 (top-1 agreement with the target's tokens per head position, and rank-r hit rates that the
 drafters use to shape their trees), a progress bar, checkpoints, resume and a PNG plot.
+
+Block drafters (`trains_on_anchors`, DFlash) compute only `anchors_per_row` random answer
+positions per sequence per step (each a block drafted from there) and the rows are those anchors'.
+Held-out evaluation also reports `tau`: the mean tokens per greedy verify step of a K-token chain
+(leading head positions whose top-1 is the target's token, + 1), for every head type alike.
 
 Schedule horizon: `steps` when given (a resumed run continues the same schedule), else this
 run's `minutes` (the cosine follows elapsed time).
@@ -313,7 +318,8 @@ def evaluate(heads: DraftHeads, samples: list[Sample], parts: FrozenTargetParts,
             tau_sum += float(accepted.sum()) + chains
             tau_chains += chains
             if is_anchor is not None:
-                rows, labels = rows[is_anchor[rows[:, 1], rows[:, 2]]], labels[is_anchor[rows[:, 1], rows[:, 2]]]
+                keep = is_anchor[rows[:, 1], rows[:, 2]]
+                rows, labels = rows[keep], labels[keep]
             on_path = torch.zeros(num_positions, batch.tokens.shape[1], dtype=torch.bool, device=rows.device)  # [K, T]
             on_path[path_rows[:, 0], path_rows[:, 2]] = True
             if rows.shape[0] > per_sample:
@@ -401,7 +407,10 @@ def evaluate_by_source(heads: DraftHeads, samples: list[Sample], parts: FrozenTa
 
     top1, rows = pooled("top1", "rows")
     on_path, path_rows = pooled("top1_greedy_path", "rows_greedy_path")
-    results["all"] = {"top1": top1, "rows": rows, "top1_greedy_path": on_path, "rows_greedy_path": path_rows}
+    chains = sum(r["tau_chains"] for r in results.values())
+    tau = sum(r["tau"] * r["tau_chains"] for r in results.values()) / max(1, chains)
+    results["all"] = {"top1": top1, "rows": rows, "top1_greedy_path": on_path, "rows_greedy_path": path_rows,
+                      "tau": tau, "tau_chains": chains}
     for name, group in groups.items():
         results[name]["samples"] = len(group)
     results["all"]["samples"] = len(samples)
