@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 from .checks import check_int
 from .cost import CostTable
-from .schedule import admit_survivals, check_probabilities, survivals
+from .draft import Draft
+from .schedule import admit, admit_survivals, check_probabilities, survivals
 
 
 # the cost table also times one prefill-sized forward, so one-off catch-up costs (a draft
@@ -196,6 +197,10 @@ class FixedBudget:
     def observe(self, seq, drafted_depth: int, accepted: int) -> None:
         pass
 
+    def verify_prefixes(self, seqs, drafts: list[Draft]) -> list[Draft]:
+        """A fixed block is verified whole."""
+        return drafts
+
 
 class AutoBudget:
     """Pick each step's budget to maximise expected tokens per second (choose_budget over specdec.cost's T(k)).
@@ -214,10 +219,15 @@ class AutoBudget:
     - a population prior: every sequence's outcomes feed one slow tracker whose depth-1
       estimate is the prior of new sequences, so a drafter that failed on earlier requests
       under this policy (a server's lifetime, a bench method) starts cautious.
+
+    A drafter that scores its own positions (`gives_confidences`, Draft.confidences) is not
+    planned from estimates: it drafts its full block, and `verify_prefixes` cuts every running
+    sequence's chain to the prefix worth verifying (specdec.schedule.admit, one call across
+    the batch). `use_confidences=False` plans such a drafter like any other.
     """
 
     def __init__(self, cost: CostTable, max_budget: int = 12, draft_ms_per_token: float = 0.0, probe_every: int = 8,
-                 max_probe_every: int = 64, payback_fraction: float = 0.5):
+                 max_probe_every: int = 64, payback_fraction: float = 0.5, use_confidences: bool = True):
         check_int("max_budget", max_budget, 0)
         if not 1 <= probe_every <= max_probe_every:
             raise ValueError(f"need 1 <= probe_every <= max_probe_every, got {probe_every}, {max_probe_every}")
@@ -225,6 +235,7 @@ class AutoBudget:
             raise ValueError(f"payback_fraction must be in (0, 1], got {payback_fraction}")
         self.cost = cost
         self.limit = max_budget
+        self.use_confidences = use_confidences
         self.payback_fraction = payback_fraction
         self.draft_ms_prior = draft_ms_per_token
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
@@ -268,10 +279,35 @@ class AutoBudget:
         remaining = self.payback_fraction * (seq.max_new_tokens - seq.generated)
         return one_off_ms < remaining * (1.0 / rates[0] - 1.0 / rates[budget])  # ms saved per token
 
+    def schedules(self, drafter) -> bool:
+        """Whether this drafter's blocks are cut after drafting by their own confidences."""
+        return self.use_confidences and drafter is not None and drafter.gives_confidences
+
     def max_budget_for(self, drafter) -> int:
+        if self.schedules(drafter):
+            return drafter.default_budget  # its full block; verify_prefixes decides how much is verified
         return 0 if drafter is None else min(self.limit, max(1, 2 * drafter.default_budget))
 
+    def verify_prefixes(self, seqs, drafts: list[Draft]) -> list[Draft]:
+        """Cut each scheduled chain to the prefix `schedule.admit` admits, all sequences at once,
+        at the measured rate 1000 / T(B) of a verify forward over B tokens in total. Drafting is
+        done by now (its time is the same whatever B), so only the verify forward is priced.
+        Drafts without confidences (trees, empty drafts, other drafters) are verified whole."""
+        scheduled = [row for row, (seq, draft) in enumerate(zip(seqs, drafts))
+                     if self.schedules(seq.drafter) and draft.confidences is not None and draft.is_chain and len(draft)]
+        if not scheduled:
+            return drafts
+        fixed_tokens = sum(1 + len(draft) for row, draft in enumerate(drafts) if row not in scheduled)
+        admitted = admit([drafts[row].confidences.tolist() for row in scheduled],
+                         lambda tokens: 1000.0 / self.cost.t(tokens + fixed_tokens))
+        drafts = list(drafts)
+        for row, length in zip(scheduled, admitted):
+            drafts[row] = drafts[row].prefix(length)
+        return drafts
+
     def plan(self, seqs) -> list[int]:
+        if any(self.schedules(seq.drafter) for seq in seqs):
+            return [self.max_budget_for(seq.drafter) for seq in seqs]
         drafting = [seq for seq in seqs if seq.drafter is not None]
         if len(drafting) <= 1:
             return [self._single(seq, len(seqs) - 1) if seq.drafter is not None else 0 for seq in seqs]
@@ -330,7 +366,9 @@ class AutoBudget:
 
 def parse_gamma(raw) -> int | str | None:
     """A gamma as given on the command line or to the API: "auto" (the cost model picks each step's
-    budget), None (the drafter's default) or an integer >= 0 (int or decimal string)."""
+    budget; a drafter that scores its positions drafts its block and the scheduler cuts it), None
+    (the drafter's default block, verified whole) or an integer >= 0 (int or decimal string; a
+    fixed block, verified whole)."""
     if raw is None or raw == "auto":
         return raw
     try:

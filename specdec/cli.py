@@ -101,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter-arg", action="append", default=[], metavar="KEY=VALUE", help="drafter option")
     gen.add_argument("--gamma", default="auto",
                      help="draft length / node budget per step: 'auto' (default: the measured cost table decides "
-                          "each step, measured once per model and machine) or a fixed int")
+                          "each step, measured once per model and machine; a drafter that scores its positions "
+                          "drafts its block and the confidence scheduler verifies the prefix worth it) or a fixed "
+                          "int (that block, verified whole)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

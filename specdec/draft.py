@@ -53,9 +53,10 @@ class Draft:
     draft_probs: [N, V] the distribution q(.) each node's token was sampled from, or None for a
         deterministic proposal (n-gram match, argmax, top-k expansion: q is one-hot).
     confidences: [N] floats in [0, 1], or None: the drafter's estimate of P(node accepted | its
-        parent accepted), known once the node is drafted (DSpark's confidence head). With them
-        the loop may verify only a prefix of the draft (specdec.schedule.admit); they never
-        change which tokens are accepted.
+        parent accepted) (DSpark's confidence head), computed BEFORE the node's token is drawn:
+        from its ancestors' tokens, never from its own (else verifying the node would depend on
+        its value). With them the loop may verify only a prefix of a chain
+        (specdec.schedule.admit); they never change which tokens are accepted.
 
     Treat a Draft as immutable: structural properties are computed once and cached.
     """

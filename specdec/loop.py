@@ -8,7 +8,9 @@ plain" compares two runs of one code path that differ only in the draft.
     0. prefill every prompt (ragged, right-padded) and sample the first token
     loop:
       1. choose each sequence's draft budget (fixed gamma, or the cost model's choice)
-      2. propose: drafter.propose(ctx, budget) -> Draft rooted at the root token
+      2. propose: drafter.propose(ctx, budget) -> Draft rooted at the root token; drafts that
+         carry confidences are cut, across the batch, to the prefix worth verifying
+         (policy.verify_prefixes -> specdec.schedule.admit)
       3. build one batch: [root, *draft nodes] per row, tree masks, positions
       4. ONE target forward over all rows (plus the hidden layers drafters asked for)
       5. verify each row (specdec.verify) -> accepted path + bonus/correction token
@@ -153,12 +155,15 @@ class SpecBatch:
         seqs = list(self.seqs)
         if not seqs:
             return []
-        # 1-2. budgets (the policy sees every running sequence: load-aware) and proposals
+        # 1-2. budgets (the policy sees every running sequence: load-aware), proposals, and the
+        # prefix of each draft worth verifying (one decision across the batch; a no-op for fixed blocks)
         budgets = self.policy.plan(seqs)
         drafts = []
         for seq, budget in zip(seqs, budgets):
             with seq.stats.timer("draft"):
                 drafts.append(_propose(seq, budget))
+        with _timers(seqs, "other"):
+            drafts = self.policy.verify_prefixes(seqs, drafts)
         rows = self.cache.rows(0, len(seqs))
         with _timers(seqs, "verify"):
             # 3. one batch: [root, *draft nodes, padding] per row, tree masks, positions

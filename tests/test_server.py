@@ -359,3 +359,35 @@ def test_serve_arguments():
     for bad in ("-1", "many"):
         with pytest.raises(ValueError, match="gamma"):
             parse_gamma(bad)
+
+
+def test_server_schedules_confidence_drafts_across_its_running_requests(smollm2):
+    """`--gamma auto` with a drafter that scores its positions: the server's batch step makes one
+    scheduler call over every running request, cuts blocks differently per request, and greedy
+    answers stay those of plain decoding."""
+    from specdec.budget import AutoBudget
+    from specdec.cost import CostTable
+
+    class RecordingPolicy(AutoBudget):
+        def verify_prefixes(self, seqs, drafts):
+            cut = super().verify_prefixes(seqs, drafts)
+            calls.append(([len(d) for d in drafts], [len(d) for d in cut]))
+            return cut
+
+    calls = []
+    table = CostTable({}, [1, 2, 4, 8, 16, 64], [11.0, 12.0, 14.0, 18.0, 26.0, 74.0])
+    drafter = make_drafter("tempered", smollm2, gamma=4, draft_temperature=0.7)
+    app = create_app(smollm2, drafter, budget_policy=RecordingPolicy(table), max_running=4, max_model_len=MAX_MODEL_LEN)
+    with running_server(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda prompt: client.chat.completions.create(
+                model=smollm2.name, max_tokens=10, temperature=0, messages=[{"role": "user", "content": prompt}]),
+                PROMPTS[:4]))
+    for prompt, answer in zip(PROMPTS[:4], answers):
+        assert answer.choices[0].message.content == generate(smollm2, prompt, max_new_tokens=10).text
+    shared = [(drafted, kept) for drafted, kept in calls if len(drafted) > 1]
+    assert shared, "no step scheduled more than one request"
+    assert any(len(set(kept)) > 1 for _, kept in shared)  # blocks cut to different lengths in one step
+    assert all(k <= d for drafted, kept in calls for d, k in zip(drafted, kept))
+    assert sum(map(sum, (kept for _, kept in calls))) < sum(map(sum, (drafted for drafted, _ in calls)))

@@ -485,7 +485,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"questions per task kind (quick profile default: {QUICK_LIMIT_PER_KIND})")
     parser.add_argument("--full", action="store_true", help="every question (instead of the quick profile)")
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
-    parser.add_argument("--gamma", default="auto", help="'auto' (cost model) or a fixed draft length / node budget")
+    parser.add_argument("--gamma", default="auto", help="'auto' (cost model; confidence scheduler for drafters that score "
+                        "their positions) or a fixed draft length / node budget")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are checked against plain)")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)

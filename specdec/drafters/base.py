@@ -59,6 +59,10 @@ class Drafter(ABC):
     name: ClassVar[str] = ""
     hidden_layers: tuple[int, ...] = ()  # target hidden layers needed (see specdec.models.base)
     makes_trees: bool = False
+    # drafts carry Draft.confidences (P(position accepted | previous accepted), computed before the
+    # position's token is drawn): the auto policy then drafts the full block and verifies the
+    # prefix specdec.schedule.admit picks across the batch
+    gives_confidences: bool = False
     wants_node_logits: bool = False  # ask the loop for ctx.all_node_logits after each verify
     default_budget: int = 5  # draft nodes per step when the loop has no cost model
 

@@ -1,9 +1,13 @@
-"""Drafters for testing the core: `oracle` (always right) and `random` (almost always wrong).
+"""Drafters for testing the core: `oracle` (always right), `random` (almost always wrong) and
+`tempered` (often right, with confidences).
 
 `oracle` proposes the target's own greedy continuation, so under greedy decoding every draft
 token is accepted and tau must equal budget + 1. `random` proposes uniformly random tokens
 (as a chain or a tree, with their true proposal probabilities), so the output must still equal
-plain decoding: the lossless core, not the drafter, guarantees the result.
+plain decoding: the lossless core, not the drafter, guarantees the result. `tempered` samples a
+chain from the target itself at another temperature (exact q) and attaches crafted confidences
+that depend on the drafted tokens, to test the confidence scheduler (specdec.schedule) until a
+trained drafter provides real ones.
 """
 
 from __future__ import annotations
@@ -29,21 +33,64 @@ class OracleDrafter(Drafter):
         self.fed: list[int] = []  # tokens whose K/V sit in self.cache
 
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
+        pending = self._rewind(ctx)
+        proposal = []
+        for _ in range(budget):
+            pending = [int(self._next_logits(pending).argmax())]
+            proposal += pending
+        return Draft.chain(torch.tensor(proposal, dtype=torch.long))
+
+    def _rewind(self, ctx: DraftContext) -> list[int]:
+        """Drop cached tokens that are no longer committed; returns the committed tokens to feed."""
         common = 0
         while common < min(len(self.fed), len(ctx.tokens) - 1) and self.fed[common] == ctx.tokens[common]:
             common += 1
         self.cache.truncate(common)
         self.fed = self.fed[:common]
-        pending = ctx.tokens[common:]
-        proposal = []
+        return ctx.tokens[common:]
+
+    def _next_logits(self, pending: list[int]) -> torch.Tensor:
+        """Feed `pending` through the target; its logits [V] for the token after them."""
+        logits, _ = self.target.forward(
+            torch.tensor([pending]), torch.arange(len(self.fed), len(self.fed) + len(pending))[None], self.cache
+        )
+        self.fed += pending
+        return logits[0, -1]
+
+
+@register_drafter
+class TemperedDrafter(OracleDrafter):
+    """A chain sampled from the target's own distribution at `draft_temperature` (q exact, so
+    acceptance is high but not certain), with confidences crafted from the drafted tokens:
+    position j's confidence is `high` when the token before it (the root for j = 0) is even,
+    else `low`. A confidence depends only on tokens drawn before its position, as
+    Draft.confidences requires, yet which prefix gets verified depends on what was drafted."""
+
+    name = "tempered"
+    gives_confidences = True
+
+    def __init__(self, target=None, gamma: int = 4, draft_temperature: float = 1.5, high: float = 0.9,
+                 low: float = 0.2):
+        super().__init__(target, gamma)
+        if not draft_temperature > 0:
+            raise ValueError(f"draft_temperature must be > 0, got {draft_temperature}")
+        for name, value in (("high", high), ("low", low)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be a probability in [0, 1], got {value}")
+        self.draft_temperature, self.high, self.low = draft_temperature, high, low
+
+    def propose(self, ctx: DraftContext, budget: int) -> Draft:
+        pending = self._rewind(ctx)
+        tokens, rows, confidences = [], [], []
         for _ in range(budget):
-            logits, _ = self.target.forward(
-                torch.tensor([pending]), torch.arange(len(self.fed), len(self.fed) + len(pending))[None], self.cache
-            )
-            self.fed += pending
-            pending = [int(logits[0, -1].argmax())]
-            proposal += pending
-        return Draft.chain(torch.tensor(proposal, dtype=torch.long))
+            confidences.append(self.high if pending[-1] % 2 == 0 else self.low)  # before the token is drawn
+            q = torch.softmax(self._next_logits(pending).float() / self.draft_temperature, dim=-1)  # [V]
+            pending = [int(torch.multinomial(q, 1, generator=ctx.generator))]  # the sequence's seeded stream
+            tokens += pending
+            rows.append(q)
+        if not tokens:
+            return Draft.empty()
+        return Draft.chain(torch.tensor(tokens, dtype=torch.long), torch.stack(rows), confidences)
 
 
 @register_drafter

@@ -325,7 +325,8 @@ def create_app(target, drafter=None, *, gamma=None, budget_policy=None, model_na
                kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION) -> FastAPI:
     """A FastAPI app serving `target` (optionally speculating with `drafter`).
 
-    gamma: None (drafter default), an int (fixed draft budget) or "auto" (load-aware cost model);
+    gamma: None (drafter default), an int (fixed draft budget) or "auto" (load-aware cost model; drafts
+    with confidences are cut across the batch by specdec.schedule.admit);
     or pass `budget_policy` directly. max_model_len: prompt + completion per request (default: the
     model's context window, at most DEFAULT_MAX_MODEL_LEN). KV memory: `kv_memory_gb`, else
     `kv_memory_fraction` of the memory available now; requests beyond it wait in the queue.
@@ -444,7 +445,8 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     parser.add_argument("--drafter", default=None, help="drafter name (see `specdec drafters`); none = plain decoding")
     parser.add_argument("--drafter-arg", action="append", default=[], metavar="KEY=VALUE", help="drafter option")
-    parser.add_argument("--gamma", default="auto", help="draft budget per step: an int, or 'auto' (load-aware cost model)")
+    parser.add_argument("--gamma", default="auto", help="draft budget per step: an int (that block, verified whole), or 'auto' "
+                        "(load-aware cost model; a drafter with confidences is cut by the scheduler across the batch)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     add_weights_argument(parser)
     parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
