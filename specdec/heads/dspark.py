@@ -136,7 +136,7 @@ class SequentialParts(nn.Module):
 
     def block(self, base_logits: torch.Tensor, hidden: torch.Tensor, previous_tokens: torch.Tensor):
         """Teacher-forced: base_logits [N, K, V], hidden [N, K, H], previous_tokens [N, K] (the anchor,
-        then the labels of positions 0..K-2) -> (logits [N, K, V], confidence logits [N, K], raw)."""
+        then the labels of positions 0..K-2) -> (logits [N, K, V], raw confidence logits [N, K])."""
         logits = base_logits + self.markov_head.block_bias(previous_tokens, hidden).to(base_logits.dtype)
         confidence = self.confidence_head(hidden, self.markov_head.previous_embedding(previous_tokens))
         return logits, confidence
