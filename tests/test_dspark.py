@@ -258,6 +258,25 @@ def test_auto_budget_batch_equals_plain(counter, trained):
         assert result.stats.tau > 1.5
 
 
+def test_sampled_blocks_cut_by_the_scheduler_keep_the_target_distribution(counter, trained):
+    """Temperature 1 under --gamma auto: each chain is cut to the prefix schedule.admit picks from the
+    drafter's confidences (tempered here so they vary) before verification; outputs still follow
+    the target exactly. All runs share one batch, so the cost table's slope (~0.29 ms per token on
+    ~1000 ms) puts the cut near survival 0.3: blocks are really cut, not verified whole."""
+    module = build_heads("dspark", counter, BLOCK, block_size=BLOCK, num_draft_layers=2, markov_rank=8)
+    module.load_state_dict(trained[2].state_dict())
+    module.sequential.confidence_temperatures.fill_(8.0)
+    drafter = DSparkDrafter.from_module(counter, module)
+    table = CostTable({}, [1, 2048], [1000.0, 1585.0])
+    prompt, runs = [5, 6, 7, 8], 1500
+    sampling = [SamplingParams(1.0, seed=seed) for seed in range(runs)]
+    results = run(counter, [prompt] * runs, drafter, 4, sampling, (), AutoBudget(table, max_budget=BLOCK)).finish()
+    drafted = sum(r.stats.drafted_tokens for r in results)
+    assert sum(r.stats.accepted_tokens for r in results) > 0.1 * runs
+    assert 0 < drafted < 0.75 * BLOCK * sum(r.stats.steps for r in results)  # the scheduler cut blocks
+    assert min(token_marginal_pvalues(counter, prompt, results)) > 1e-3
+
+
 class BackboneQ(WrongQ):
     """Samples tokens from the exact q but reports the backbone's q WITHOUT the sequential bias."""
 

@@ -37,6 +37,7 @@ class DSparkDrafter(DFlashDrafter):
     """
 
     name = "dspark"
+    gives_confidences = True  # c_k reads h_k and the token before k: known before token k is drawn
 
     def __init__(self, target=None, checkpoint: str | None = None, sample: bool = True, draft_vocab: int = 8192):
         if target is None:
