@@ -142,7 +142,8 @@ class SkinnyGemmLibrary:
         lib.sg_a8_row_bytes.restype = ctypes.c_int64
         lib.sg_a8_row_bytes.argtypes = [ctypes.c_int64]
         lib.sg_quantize_a8.restype = ctypes.c_int
-        lib.sg_quantize_a8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]  # x, M, K, out
+        lib.sg_quantize_a8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+        lib.sg_a8_block.argtypes = [ctypes.c_int]
         lib.sg_a8_vnni.restype = ctypes.c_int
         lib.sg_dequantize_rows.restype = ctypes.c_int
         lib.sg_dequantize_rows.argtypes = [
@@ -234,19 +235,24 @@ class SkinnyGemmLibrary:
         """Whether the int8-activation dot products use VNNI here (results are the same either way)."""
         return bool(self._lib.sg_a8_vnni())
 
-    def quantize_a8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [M, K] fp32 (K a multiple of 32) -> the a8 kernel's activation blocks: q [M, K] int8,
-        d [M, K / 32] fp32 (block scale), ds [M, K / 32] fp32 (d * sum of the block's q)."""
+    def a8_block(self, ggml_type: int) -> int:
+        """Activation block of the int8 mode for weights of `ggml_type`: 32 (Q4_0 ... Q8_0, as
+        llama.cpp's q8_0) or 256 (K-quants, as q8_K); 0 for a type the kernel does not know."""
+        return int(self._lib.sg_a8_block(int(ggml_type)))
+
+    def quantize_a8(self, x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] fp32 (K a multiple of `block`, 32 or 256) -> the a8 kernel's activation
+        blocks: q [M, K] int8 and d [M, K / block] fp32, x ~ q * d per block."""
         x = x.detach().to(torch.float32).contiguous()
         rows, in_features = x.shape
         row_bytes = int(self._lib.sg_a8_row_bytes(in_features))
-        if row_bytes == 0:
-            raise ValueError(f"int8 activation blocks need K a multiple of 32, got {in_features}")
-        out = torch.empty((rows, row_bytes), dtype=torch.uint8)  # [M, K + 8 K / 32]
-        if self._lib.sg_quantize_a8(x.data_ptr(), rows, in_features, out.data_ptr()) != 0:
+        if row_bytes == 0 or block not in (32, 256) or in_features % block:
+            raise ValueError(f"int8 activation blocks of {block} (32 or 256) need K a multiple of it, got {in_features}")
+        out = torch.empty((rows, row_bytes), dtype=torch.uint8)  # [M, K + 10 K / 32]
+        if self._lib.sg_quantize_a8(x.data_ptr(), rows, in_features, block, out.data_ptr()) != 0:
             raise RuntimeError(f"cannot quantize x {tuple(x.shape)}")
-        scales = out[:, in_features:].contiguous().view(torch.float32)  # [M, 2 K / 32]
-        return out[:, :in_features].contiguous().view(torch.int8), scales[:, : in_features // 32], scales[:, in_features // 32 :]
+        scales = out[:, in_features : in_features + 4 * (in_features // 32)].contiguous().view(torch.float32)  # [M, K / 32]
+        return out[:, :in_features].contiguous().view(torch.int8), scales[:, : in_features // block]
 
     def dequantize_rows(self, blocks: torch.Tensor, ggml_type: int, in_features: int, rows: torch.Tensor) -> torch.Tensor:
         """rows [...] int64 (checked in range by the caller) -> dequantized weight rows [..., K] fp32."""
