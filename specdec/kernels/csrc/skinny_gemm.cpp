@@ -584,18 +584,15 @@ inline __m256i dot_u8_i8_scaled(__m256i acc, __m256i u, __m256i s, __m256i scale
 #endif
 }
 
+// The accumulators live in a.saved (8 lanes + the min sum per output): the K-quant path touches
+// them once per 256 weights, and keeping them out of registers leaves room for the integer sums.
 template <typename Fmt, int MR, int NR>
 void a8_tile(const TileArgs& a) {
-  __m256 acc[MR][NR];
-  float mins[MR][NR];
+  float* const saved = a.saved;  // [MR * NR][kSavedFloats]: acc lanes 0-7, mins at 8
+  if (a.k_begin == 0) {
 #pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < NR; ++c) {
-      const float* saved = a.saved + (r * NR + c) * kSavedFloats;
-      acc[r][c] = a.k_begin == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(saved);
-      mins[r][c] = a.k_begin == 0 ? 0.0f : saved[8];
-    }
+    for (int i = 0; i < MR * NR; ++i) _mm256_storeu_ps(saved + i * kSavedFloats, _mm256_setzero_ps()), saved[i * kSavedFloats + 8] = 0.0f;
+  }
   constexpr int kSubs = Fmt::kBlock / kA8Sub;
   constexpr int64_t kLine = 64;
   int64_t next_prefetch = INT64_MAX;
@@ -627,9 +624,11 @@ void a8_tile(const TileArgs& a) {
         const __m256 dx = _mm256_set1_ps(row.d[ab]);
 #pragma GCC unroll 8
         for (int c = 0; c < NR; ++c) {
+          float* acc = saved + (r * NR + c) * kSavedFloats;
           const __m256i dot = dot_u8_i8(wq[c], Fmt::kSigned ? _mm256_sign_epi8(xv, wsign[c]) : xv);
-          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(Fmt::a8_scale(scales[c], 0), dx), acc[r][c]);
-          if constexpr (Fmt::kHasMin) mins[r][c] = mins[r][c] + Fmt::a8_min(scales[c], 0) * row.ds[ab];
+          _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(Fmt::a8_scale(scales[c], 0), dx),
+                                                _mm256_loadu_ps(acc)));
+          if constexpr (Fmt::kHasMin) acc[8] = acc[8] + Fmt::a8_min(scales[c], 0) * row.ds[ab];
         }
       }
     } else {  // K-quants: integer sub-block scales, one fp32 update per 256
@@ -666,34 +665,27 @@ void a8_tile(const TileArgs& a) {
         if constexpr (Fmt::kHasMin) bsum_lo = _mm_loadu_si128((const __m128i*)(row.bsum + kb / kA8Sub));  // 8 x int16
 #pragma GCC unroll 8
         for (int c = 0; c < NR; ++c) {
-          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][c]), _mm256_set1_ps(scales[c].d * dx), acc[r][c]);
+          float* acc = saved + (r * NR + c) * kSavedFloats;
+          _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][c]), _mm256_set1_ps(scales[c].d * dx),
+                                                _mm256_loadu_ps(acc)));
           if constexpr (Fmt::kHasMin) {  // sum over sub-blocks of m * bsum, exact in int32
             __m128i p = _mm_madd_epi16(_mm_load_si128((const __m128i*)scales[c].m), bsum_lo);
             p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0x4e));
             p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0xb1));
-            mins[r][c] = mins[r][c] - (scales[c].dmin * dx) * (float)_mm_cvtsi128_si32(p);
+            acc[8] = acc[8] - (scales[c].dmin * dx) * (float)_mm_cvtsi128_si32(p);
           }
         }
       }
     }
   }
-  if (a.k_end < a.K) {
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 8
-      for (int c = 0; c < NR; ++c) {
-        float* saved = a.saved + (r * NR + c) * kSavedFloats;
-        _mm256_storeu_ps(saved, acc[r][c]);
-        saved[8] = mins[r][c];
-      }
-    return;
-  }
+  if (a.k_end < a.K) return;  // the sums stay parked in a.saved
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
     for (int c = 0; c < NR; ++c) {
-      float value = hsum256(acc[r][c]);
-      if constexpr (Fmt::kHasMin) value += mins[r][c];
+      const float* acc = saved + (r * NR + c) * kSavedFloats;
+      float value = hsum256(_mm256_loadu_ps(acc));
+      if constexpr (Fmt::kHasMin) value += acc[8];
       if (a.bias) value += a.bias[c];
       a.y[r * a.ldy + c] = value;
     }
