@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,6 +40,20 @@ def plot_cost_table(table: CostTable, path: str | os.PathLike) -> Path:
     return path
 
 
+def measure_memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Read bandwidth in GB/s: the best of `repeats` torch.sum passes over a `gib` GiB fp32 tensor
+    (far larger than any cache) with torch's current thread count: what a weight stream can reach."""
+    import torch
+
+    data = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)  # touched once: pages are mapped
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        float(data.sum())
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best / 1e9
+
+
 def _parse_ks(text: str) -> list[int]:
     try:
         ks = [int(part) for part in text.split(",") if part.strip()]
@@ -65,6 +80,9 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--plot", default=None, help="save T(k)/T(1) vs k as this PNG")
     parser.add_argument("--cached", action="store_true",
                         help="reuse the cached table for this setup instead of re-measuring")
+    parser.add_argument("--bandwidth", action="store_true",
+                        help="also measure the machine's memory read bandwidth (a 1 GiB torch.sum) and "
+                             "print the weight stream's share of it")
     return parser
 
 
@@ -73,6 +91,8 @@ def run_profile(args: argparse.Namespace, load_target_fn: Callable | None = None
     if load_target_fn is None:
         from .api import load_target as load_target_fn
     out = out if out is not None else sys.stdout
+    from .drafters.small_model import decode_cost_bytes
+
     ks = _parse_ks(args.ks)
     # keep stdout clean for --json: anything printed while loading/measuring goes to stderr
     with contextlib.redirect_stdout(sys.stderr):
@@ -83,6 +103,8 @@ def run_profile(args: argparse.Namespace, load_target_fn: Callable | None = None
         )
         if args.plot:
             plot_cost_table(table, args.plot)
+        step_bytes = decode_cost_bytes(target)  # weights one forward streams (embedding lookup excluded)
+        bandwidth = measure_memory_bandwidth() if getattr(args, "bandwidth", False) else None
     requested = [k for k in table.k if k in set(ks)]
     if args.json:
         print(json.dumps({"k": requested, "ms": [table.t(k) for k in requested]}), file=out)
@@ -93,6 +115,12 @@ def run_profile(args: argparse.Namespace, load_target_fn: Callable | None = None
     print(f"{'k':>4} {'ms':>10} {'T(k)/T(1)':>10}", file=out)
     for k in requested:
         print(f"{k:>4} {table.t(k):>10.2f} {table.ratio(k):>10.2f}", file=out)
+    if step_bytes == step_bytes:  # not NaN: a model whose weights we can count
+        reached = step_bytes / (table.t(1) / 1000.0) / 1e9
+        line = f"weights per step {step_bytes / 1e6:.0f} MB: T(1) streams them at {reached:.1f} GB/s"
+        if bandwidth is not None:
+            line += f" = {100 * reached / bandwidth:.0f} % of the measured {bandwidth:.1f} GB/s (1 GiB torch.sum)"
+        print(line, file=out)
     print(f"cached at {default_cache_path(table.key)}", file=out)
     if args.plot:
         print(f"plot saved to {args.plot}", file=out)

@@ -4,6 +4,8 @@ float64 reference computed from the same int8 activation blocks (tight, scale-aw
 rows are bitwise batch and thread-count invariant; the AVX2 and AVX-512 builds give the same bits;
 speculation on SmolLM2 reproduces the a8 model's own plain greedy output."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -178,3 +180,24 @@ def test_speculation_reproduces_a8_plain_greedy(smollm2_a8, drafter_name, option
         assert speculative.tokens == plain.tokens, (drafter_name, prompt)
         accepted += speculative.stats.accepted_tokens
     assert accepted > 0  # multi-token verify forwards did run and were accepted
+
+
+@pytest.mark.slow
+def test_quality_check_scores_the_fixed_text_in_both_modes(smollm2_a8):
+    from specdec.kernels.quality import measure_quality, score_logits, set_activations
+
+    result = measure_quality(smollm2_a8)  # leaves the model in int8 mode, as it was loaded
+    assert result["tokens"] > 400
+    # int8 activation blocks move the logits a little: the same text, nearly the same predictions
+    assert result["top1_agreement"] > 0.9
+    assert abs(math.log(result["ppl_a8"] / result["ppl_exact"])) < 0.05
+    assert 0 < result["mean_kl"] < 0.05
+    ids = torch.tensor(smollm2_a8.tokenizer("def f(x):\n    return x + 1\n")["input_ids"])
+    a8 = score_logits(smollm2_a8, ids)
+    set_activations(smollm2_a8.model, "fp32")
+    try:
+        exact = score_logits(smollm2_a8, ids)
+    finally:
+        set_activations(smollm2_a8.model, "int8")
+    assert torch.equal(score_logits(smollm2_a8, ids), a8)  # switching back restores the a8 model exactly
+    assert not torch.equal(exact, a8)
