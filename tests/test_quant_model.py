@@ -157,6 +157,7 @@ def test_every_command_that_loads_a_target_takes_weights(command):
 
     parser = build_parser()
     assert parser.parse_args([*command, "--weights", "fp32"]).weights == "fp32"
+    assert parser.parse_args([*command, "--weights", "gguf-a8"]).weights == "gguf-a8"
     assert parser.parse_args(command).weights is None  # as stored
     with pytest.raises(SystemExit):
         parser.parse_args([*command, "--weights", "int4"])
@@ -167,5 +168,6 @@ def test_cost_tables_are_per_weight_format(quantized_gguf):
 
     _, _, model_dir = quantized_gguf
     stored, dense = load_native(model_dir), load_native(model_dir, weights="fp32")
-    assert (cost_key(stored)["weights"], cost_key(dense)["weights"]) == ("gguf", "fp32")
-    assert default_cache_path(cost_key(stored)) != default_cache_path(cost_key(dense))
+    a8 = load_native(model_dir, weights="gguf-a8")
+    assert [cost_key(t)["weights"] for t in (stored, dense, a8)] == ["gguf", "fp32", "gguf-a8"]
+    assert len({default_cache_path(cost_key(t)) for t in (stored, dense, a8)}) == 3
