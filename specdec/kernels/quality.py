@@ -5,7 +5,9 @@
 Loads the model once with its GGUF blocks (weights="gguf": fp32 activations, bitwise the
 dequantized-fp32 model), scores the text below in one forward, switches every GGUFLinear to int8
 activations (= weights="gguf-a8") and scores it again. Prints the perplexity of both, the top-1
-agreement of their next-token predictions and the mean KL divergence exact -> a8.
+agreement of their next-token predictions and the mean KL divergence exact -> a8. With
+--llama-cpp, also llama.cpp's own logits for the same token ids on the same GGUF file (its
+q8_0 / q8_K activation quantization), compared with the exact path the same way.
 """
 
 from __future__ import annotations
@@ -114,16 +116,45 @@ def measure_quality(target, text: str = QUALITY_TEXT) -> dict:
     return {"model": str(target.name), **compare(exact, a8, ids)}
 
 
+def llama_cpp_logits(model: str, ids: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's logits [T, vocab] for ids [T] on the registry model's GGUF file (the bench peer's
+    runtime: llama-cpp-python, an optional extra)."""
+    from ..bench.peers import LLAMA_CPP, machine_cores
+    from ..models.registry import fetch_gguf
+
+    missing = LLAMA_CPP.missing()
+    if missing:
+        raise ValueError(f"llama.cpp unavailable: {missing}")
+    from llama_cpp import Llama
+
+    llama = Llama(model_path=str(fetch_gguf(model, progress=False)), n_ctx=int(ids.numel()) + 8, logits_all=True,
+                  n_threads=machine_cores(), n_threads_batch=machine_cores(), verbose=False)
+    llama.eval(ids.tolist())
+    return torch.from_numpy(llama.scores[: ids.numel()].copy()).float()  # [T, V]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specdec.kernels.quality", description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="registry name, HF dir or .gguf file (GGUF-sourced)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="also score llama.cpp's logits on the model's GGUF file (registry models; "
+                             "needs llama-cpp-python)")
     args = parser.parse_args(argv)
     from ..api import load_target
 
     try:
         target = load_target(args.model, weights="gguf")
         result = measure_quality(target)
+        if args.llama_cpp:
+            ids = torch.tensor(target.tokenizer(QUALITY_TEXT)["input_ids"], dtype=torch.long)  # [T]
+            set_activations(target.model, "fp32")
+            exact = score_logits(target, ids)  # [T, V]
+            theirs = llama_cpp_logits(args.model, ids)
+            vocab = min(exact.shape[-1], theirs.shape[-1])  # a GGUF may pad or trim the vocabulary
+            peer = compare(exact[:, :vocab], theirs[:, :vocab], ids)
+            result["llama_cpp"] = {"ppl": peer["ppl_a8"], "top1_agreement": peer["top1_agreement"],
+                                   "mean_kl": peer["mean_kl"]}
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -133,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{result['model']}: {result['tokens']} tokens of the fixed text (specdec.kernels.quality.QUALITY_TEXT)")
     print(f"  perplexity  exact (gguf = fp32 path) {result['ppl_exact']:.4f}   gguf-a8 {result['ppl_a8']:.4f}")
     print(f"  top-1 agreement {100 * result['top1_agreement']:.2f} %   mean KL(exact || a8) {result['mean_kl']:.2e} nats")
+    if "llama_cpp" in result:
+        peer = result["llama_cpp"]
+        print(f"  llama.cpp on the same file: perplexity {peer['ppl']:.4f}, top-1 agreement with exact "
+              f"{100 * peer['top1_agreement']:.2f} %, mean KL(exact || llama.cpp) {peer['mean_kl']:.2e} nats")
     return 0
 
 
