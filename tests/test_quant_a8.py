@@ -201,3 +201,20 @@ def test_quality_check_scores_the_fixed_text_in_both_modes(smollm2_a8):
         set_activations(smollm2_a8.model, "int8")
     assert torch.equal(score_logits(smollm2_a8, ids), a8)  # switching back restores the a8 model exactly
     assert not torch.equal(exact, a8)
+
+
+@pytest.mark.slow
+def test_llama_cpp_scores_the_same_file_close_to_the_a8_mode(smollm2_a8):
+    """The quality check's peer column: llama.cpp's logits for the same ids (optional extra)."""
+    from specdec.bench.peers import LLAMA_CPP
+    from specdec.kernels.quality import QUALITY_TEXT, compare, llama_cpp_logits, score_logits
+
+    if LLAMA_CPP.missing():
+        pytest.skip(LLAMA_CPP.missing())
+    ids = torch.tensor(smollm2_a8.tokenizer(QUALITY_TEXT)["input_ids"][:200])
+    theirs = llama_cpp_logits("smollm2-135m", ids)  # [T, V]
+    ours = score_logits(smollm2_a8, ids)
+    result = compare(ours, theirs[:, : ours.shape[-1]], ids)
+    # both quantize activations to int8 blocks (in different ways): close, not equal
+    assert result["top1_agreement"] > 0.9
+    assert abs(math.log(result["ppl_a8"] / result["ppl_exact"])) < 0.05
