@@ -1,4 +1,4 @@
-"""Draft head modules on a frozen target (Medusa, MTP, EAGLE-1, EAGLE-3) and their checkpoints.
+"""Draft head modules on a frozen target (Medusa, MTP, EAGLE-1, EAGLE-3, DFlash) and their checkpoints.
 
 Model-side code: the `medusa` / `mtp` drafters load and run these modules, and the trainer
 (specdec.train) builds and optimises the same classes. Both import from here; drafters never
@@ -14,9 +14,10 @@ from .modules import (
     MTPSequentialModule, build_heads, grow_cache,
 )
 from .eagle import DEFAULT_EAGLE3_VOCAB, Eagle1Module, Eagle3Module, eagle3_config, eagle3_layers
+from .dflash import DFlashModule, dflash_hidden_layers, dflash_target_layer_ids
 
 __all__ = [
-    "CONFIG_FILE", "ChainedModule", "DEFAULT_EAGLE3_VOCAB", "HEAD_TYPES", "Eagle1Module", "Eagle3Module", "eagle3_config", "eagle3_layers", "LABEL_CONVENTION", "DraftHeads", "DraftVocab", "FrozenTargetParts", "MTPParallelHeads",
+    "CONFIG_FILE", "ChainedModule", "DFlashModule", "dflash_hidden_layers", "dflash_target_layer_ids", "DEFAULT_EAGLE3_VOCAB", "HEAD_TYPES", "Eagle1Module", "Eagle3Module", "eagle3_config", "eagle3_layers", "LABEL_CONVENTION", "DraftHeads", "DraftVocab", "FrozenTargetParts", "MTPParallelHeads",
     "MTPSequentialModule", "MedusaHeads", "build_heads", "check_target_matches", "grow_cache", "load_checkpoint",
     "read_checkpoint_config", "save_checkpoint", "target_description", "target_fingerprint",
 ]

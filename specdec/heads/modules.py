@@ -89,6 +89,16 @@ class FrozenTargetParts:
         return F.linear(x, self.lm_head_weight)  # [..., V]
 
 
+def dense_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module`'s state dict in fp32 with GGUF-block weights dequantized (weights="gguf" targets),
+    so a head can start as a copy of one of the target's blocks whatever its weight format."""
+    state = {name: tensor.detach().float() for name, tensor in module.state_dict().items()}
+    for name, sub in module.named_modules():
+        if hasattr(sub, "fp32_weight"):
+            state[f"{name}.weight" if name else "weight"] = sub.fp32_weight()
+    return state
+
+
 class DraftVocab:
     """The tokens a drafter may propose: only their LM-head rows are computed while drafting.
 
