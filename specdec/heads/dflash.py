@@ -37,7 +37,6 @@ from .modules import DraftHeads, FrozenTargetParts, TargetRope, dense_state_dict
 
 DEFAULT_BLOCK_SIZE = 8
 DEFAULT_DRAFT_LAYERS = 3
-DEFAULT_ANCHORS_PER_ROW = 16  # training: blocks per sequence per step (random anchors in the answer)
 _DRAFT_CONFIG_KEYS = (  # what a checkpoint stores to rebuild the module without its target (export)
     "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
     "rms_norm_eps", "rope_parameters", "max_position_embeddings", "num_hidden_layers",
@@ -106,7 +105,7 @@ class DFlashModule(DraftHeads):
     drafter = "dflash"
     tokens_read_ahead = 1  # the anchor (token t + 1) is committed when the block is drafted
     prediction_offset = 1  # block row 0 is the anchor; rows 1 .. K predict (DSpark: 0)
-    anchors_per_row = DEFAULT_ANCHORS_PER_ROW  # trainer: random anchors per sequence per step
+    trains_on_anchors = True  # the trainer samples anchors (TrainSettings.anchors_per_row)
 
     def __init__(self, target_config, block_size: int = DEFAULT_BLOCK_SIZE, num_draft_layers: int = DEFAULT_DRAFT_LAYERS,
                  mask_token_id: int | None = None, intermediate_size: int | None = None,

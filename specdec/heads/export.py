@@ -6,6 +6,12 @@ EAGLE-3 directory (`export_eagle3`, read back by `load_eagle3_export`):
                        rms_norm_eps; no aux-layer ids (the engines' default fused layers are ours)
     model.safetensors  the module's state dict as is: fc, midlayer.*, norm, lm_head [V', H],
                        d2t int64 (target id = i + d2t[i]), t2d bool [V]; no embed_tokens
+DFlash directory (`export_dflash`, read back by `load_dflash_export`):
+    config.json        DFlashDraftModel, model_type qwen3 (for every target family), the draft's own
+                       layers / heads / kv heads / head_dim / intermediate size / rope / eps, block_size,
+                       dflash_config {mask_token_id, target_layer_ids (0-based target blocks)},
+                       num_target_layers, vocab_size (the target's: the engines share its embeddings)
+    model.safetensors  fc [H, F*H], hidden_norm, layers.{i}.*, norm; no embed_tokens, no lm_head
 Medusa directory (`export_medusa`): vLLM's MedusaModel — blocks.{k}.layers.{j}.{weight,bias} and
 lm_heads.{k}.weight (a copy of the target's LM head: our heads read it frozen).
 """
@@ -18,10 +24,12 @@ from pathlib import Path
 import torch
 
 from .checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from .dflash import DFlashModule
 from .eagle import Eagle3Module
 from .modules import FrozenTargetParts, MedusaHeads
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _SHAPE_FIELDS = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 
@@ -79,6 +87,48 @@ def export_eagle3(module: Eagle3Module, out_dir: str | Path, dtype: str = "bfloa
     return _write_directory(Path(out_dir), eagle3_export_config(module, dtype), tensors)
 
 
+def dflash_export_config(module: DFlashModule, dtype: str) -> dict:
+    cfg = module.config
+    rope = dict(cfg.rope_parameters or {"rope_type": "default"})
+    return {
+        "architectures": [DFLASH_ARCHITECTURE],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3",
+        "num_hidden_layers": len(module.layers),
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": rope.get("rope_theta", 10000.0),
+        "rope_scaling": None if rope.get("rope_type", "default") == "default" else rope,
+        "rope_parameters": rope,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "layer_types": ["full_attention"] * len(module.layers),
+        "block_size": module.block_size,
+        "num_target_layers": module.target_num_layers,
+        "dflash_config": {"mask_token_id": module.mask_token_id, "target_layer_ids": module.target_layer_ids},
+        "torch_dtype": dtype,
+    }
+
+
+def export_dflash(module: DFlashModule, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    """Write `module` as a DFlashDraftModel directory SGLang and vLLM load (no embeddings, no LM head)."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
+    if module.mask_token_id is None:
+        raise ValueError("the DFlash module has no mask_token_id (build it with build_heads, which chooses one)")
+    tensors = {name: _cast(tensor, EXPORT_DTYPES[dtype]) for name, tensor in module.state_dict().items()}
+    return _write_directory(Path(out_dir), dflash_export_config(module, dtype), tensors)
+
+
 def export_medusa(heads: MedusaHeads, target, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
     """Write Medusa heads in vLLM's MedusaModel layout (each head gets a copy of the target's LM head)."""
     if dtype not in EXPORT_DTYPES:
@@ -105,15 +155,71 @@ def export_medusa(heads: MedusaHeads, target, out_dir: str | Path, dtype: str = 
     return _write_directory(Path(out_dir), config, tensors)
 
 
-def is_eagle3_export(directory: Path) -> bool:
+def _architectures(directory: Path) -> list[str]:
     config_path = Path(directory) / CONFIG_FILE
     if not config_path.is_file():
-        return False
+        return []
     try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError:
-        return False
-    return EAGLE3_ARCHITECTURE in (config.get("architectures") or [])
+        return list(json.loads(config_path.read_text()).get("architectures") or [])
+    except (json.JSONDecodeError, AttributeError):
+        return []
+
+
+def is_eagle3_export(directory: Path) -> bool:
+    return EAGLE3_ARCHITECTURE in _architectures(directory)
+
+
+def is_dflash_export(directory: Path) -> bool:
+    return DFLASH_ARCHITECTURE in _architectures(directory)
+
+
+def _target_shape_mismatch(config: dict, cfg) -> dict:
+    expected = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "num_attention_heads": cfg.num_attention_heads,
+                "num_key_value_heads": cfg.num_key_value_heads,
+                "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
+    return {key: (config.get(key), value) for key, value in expected.items() if config.get(key, value) != value}
+
+
+def _read_weights(directory: Path, what: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weight_files = sorted(directory.glob("*.safetensors"))
+    if not weight_files:
+        raise FileNotFoundError(f"{directory} has a {what} config.json but no *.safetensors weights")
+    state = {}
+    for path in weight_files:
+        state.update(load_file(str(path)))
+    return state
+
+
+def load_dflash_export(directory: str | Path, target) -> DFlashModule:
+    """A DFlashDraftModel directory (ours or a published one for this target) as a module on the target's device / dtype."""
+    directory = Path(directory)
+    config = json.loads((directory / CONFIG_FILE).read_text())
+    cfg = target.config
+    wrong = _target_shape_mismatch(config, cfg)
+    dflash = config.get("dflash_config") or {}
+    if config.get("num_target_layers", cfg.num_hidden_layers) != cfg.num_hidden_layers:
+        wrong["num_target_layers"] = (config.get("num_target_layers"), cfg.num_hidden_layers)
+    if wrong:
+        raise ValueError(f"DFlash drafter {directory} does not fit target {getattr(target, 'name', '')!r} "
+                         f"(field: drafter, target): {wrong}")
+    if "block_size" not in config or dflash.get("mask_token_id") is None:
+        raise ValueError(f"{directory} is not a DFlash drafter: config.json needs block_size and dflash_config.mask_token_id")
+    num_layers = int(config.get("num_hidden_layers", 1))
+    layer_ids = dflash.get("target_layer_ids")
+    module = DFlashModule(cfg, block_size=int(config["block_size"]), num_draft_layers=num_layers,
+                          mask_token_id=int(dflash["mask_token_id"]), intermediate_size=config.get("intermediate_size"),
+                          input_layers=tuple(int(i) + 1 for i in layer_ids) if layer_ids else None)
+    state = _read_weights(directory, "DFlash")
+    for unused in ("embed_tokens.weight", "lm_head.weight"):  # some drafters carry the target's: we use the target's own
+        state.pop(unused, None)
+    state = {name.removeprefix("model."): tensor.float() for name, tensor in state.items()}
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{directory} is not a DFlash drafter in the DFlashDraftModel layout: "
+                         f"missing {sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}")
+    return module.to(device=target.device, dtype=target.dtype).eval()
 
 
 def load_eagle3_export(directory: str | Path, target) -> Eagle3Module:

@@ -199,6 +199,8 @@ class DraftHeads(nn.Module):
     tokens_read_ahead: ClassVar[int] = 0
     # trained against the target's distribution (its LM head over the top-layer state), not only its top-1
     reads_target_distribution: ClassVar[bool] = False
+    # drafts a block per anchor (DFlash): forward(..., anchors=[B, A]) computes only those positions' rows
+    trains_on_anchors: ClassVar[bool] = False
 
     @property
     def greedy_path_from(self) -> int:

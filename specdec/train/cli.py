@@ -8,6 +8,9 @@
     specdec train data   --model smollm2-135m --out data/smollm2-e3 --for eagle3      # + EAGLE-3's fused layers
     specdec train eagle3 --model smollm2-135m --data data/smollm2-e3 --out ckpt/eagle3 --minutes 2
     specdec export ckpt/eagle3 out/eagle3-sglang                                         # SGLang / vLLM layout
+    specdec train data   --model smollm2-135m --out data/smollm2-df --for dflash      # + DFlash's fused layers
+    specdec train dflash --model smollm2-135m --data data/smollm2-df --out ckpt/dflash --minutes 2
+    specdec export ckpt/dflash out/dflash-sglang                                         # DFlashDraftModel layout
 
 Then: `specdec generate "..." --drafter medusa --drafter-arg checkpoint=ckpt/medusa`.
 """
@@ -15,6 +18,7 @@ Then: `specdec generate "..." --drafter medusa --drafter-arg checkpoint=ckpt/med
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -26,9 +30,9 @@ DEFAULT_MINUTES = 10.0  # when neither --steps nor --minutes is given
 # CPU defaults favour many cheap steps (measured on SmolLM2 with 2-minute runs: MTP batch 2 beat 8,
 # 256 LM-head rows beat 1024); the [rows, V] logits and the MTP blocks dominate a step's cost
 DEFAULT_LOSS_ROWS_CPU, DEFAULT_LOSS_ROWS_CUDA = 256, 2048
-DEFAULT_BATCH_CPU = {"medusa": 8, "mtp-parallel": 2, "mtp-sequential": 2, "eagle1": 2, "eagle3": 2}  # Medusa's cost is the LM-head rows
+DEFAULT_BATCH_CPU = {"medusa": 8, "mtp-parallel": 2, "mtp-sequential": 2, "eagle1": 2, "eagle3": 2, "dflash": 2}  # Medusa's cost is the LM-head rows
 DEFAULT_BATCH_CUDA = 16
-DEFAULT_LR = {"medusa": 1e-3, "mtp-parallel": 1e-3, "mtp-sequential": 1e-3, "eagle1": 1e-3, "eagle3": 1e-3}
+DEFAULT_LR = {"medusa": 1e-3, "mtp-parallel": 1e-3, "mtp-sequential": 1e-3, "eagle1": 1e-3, "eagle3": 1e-3, "dflash": 1e-3}
 # EAGLE-1's loss: feature regression + 0.1 x token cross-entropy (its paper's weights), i.e. CE + 10 x smooth L1
 DEFAULT_FEATURE_WEIGHT = {"eagle1": 10.0}
 # --flavour -> (head kind, the option holding its number of head positions)
@@ -61,9 +65,12 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="answer length limit per prompt")
     parser.add_argument("--layers", type=_layer_list, default=None,
                         help="hidden layers to store, e.g. 29,30 (default: num_layers - 1 and num_layers, see --for)")
-    parser.add_argument("--for", dest="for_drafter", choices=["heads", "eagle3"], default="heads",
+    parser.add_argument("--for", dest="for_drafter", choices=["heads", "eagle3", "dflash"], default="heads",
                         help="heads: the layers Medusa / MTP / EAGLE-1 read; eagle3: also EAGLE-3's three fused layers "
-                             "(2, N/2, N-3) — ignored when --layers is given")
+                             "(2, N/2, N-3); dflash: also DFlash's fused layers (one per draft layer, spread over "
+                             "blocks 1 .. N-3; see --draft-layers) — ignored when --layers is given")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="with --for dflash: the number of DFlash draft layers the data is for (default 3)")
     parser.add_argument("--sampled-fraction", type=float, default=0.3, help="share of answers sampled instead of greedy")
     parser.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled answers")
     parser.add_argument("--top-p", type=float, default=0.95, help="top-p of the sampled answers")
@@ -160,6 +167,20 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     eagle3.set_defaults(train_func=run_heads_training, head_kind=lambda args: ("eagle3", {
         "num_positions": args.depth, "draft_vocab_size": args.draft_vocab_size}))
 
+    dflash = sub.add_parser("dflash", help="train a DFlash block-diffusion drafter (drafter `dflash`; `specdec export` "
+                                           "for SGLang / vLLM)")
+    _add_common_training_arguments(dflash)
+    dflash.add_argument("--block-size", type=int, default=8, help="block = the anchor + block_size - 1 drafted tokens")
+    dflash.add_argument("--draft-layers", type=int, default=3,
+                        help="decoder layers; also the number of fused target layers (spread over blocks 1 .. N-3)")
+    dflash.add_argument("--decay-gamma", type=float, default=4.0,
+                        help="block position k's loss weight is exp(-(k-1)/gamma) (replaces --head-decay)")
+    dflash.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step, anchored at random answer positions")
+    dflash.add_argument("--mask-token-id", type=int, default=None,
+                        help="the MASK token (default: the highest id with a non-zero embedding row)")
+    dflash.set_defaults(train_func=run_heads_training, head_kind=lambda args: ("dflash", {
+        "num_positions": args.block_size - 1, "block_size": args.block_size, "num_draft_layers": args.draft_layers, "mask_token_id": args.mask_token_id}))
+
     evaluate = sub.add_parser("eval", help="a checkpoint's agreement with the target on the held-out part of training data")
     evaluate.add_argument("--model", required=True, help="the target the checkpoint was trained for")
     add_weights_argument(evaluate)
@@ -186,10 +207,13 @@ def _layers_for(args, target) -> list[int] | None:
     """--layers, else the layers --for asks for (None: the data module's default)."""
     if args.layers is not None or args.for_drafter == "heads":
         return args.layers
-    from ..heads import eagle3_layers
+    from ..heads import dflash_hidden_layers, eagle3_layers
+    from ..heads.dflash import DEFAULT_DRAFT_LAYERS
     from .data import default_layers
 
-    return sorted(set(default_layers(target)) | set(eagle3_layers(target.num_layers)))
+    fused = {"eagle3": lambda: eagle3_layers(target.num_layers),
+             "dflash": lambda: dflash_hidden_layers(target.num_layers, args.draft_layers or DEFAULT_DRAFT_LAYERS)}
+    return sorted(set(default_layers(target)) | set(fused[args.for_drafter]()))
 
 
 def run_data(args) -> int:
@@ -277,6 +301,10 @@ def run_heads_training(args) -> int:
     if not args.resume and not args.overwrite and ((out / CONFIG_FILE).exists() or (out / STATE_FILE).exists()):
         raise ValueError(f"{out} already holds a checkpoint: pass --resume to continue it or --overwrite to start over")
     kind, options = args.head_kind(args)
+    if kind == "dflash":  # the block's weights exp(-(k - 1) / gamma) are head_decay^(k - 1)
+        if not args.decay_gamma > 0:
+            raise ValueError(f"--decay-gamma must be > 0, got {args.decay_gamma!r}")
+        args.head_decay = math.exp(-1.0 / args.decay_gamma)
     device, dtype = _resolve_device_and_dtype(args)
     target = _load_target(args)
     heads = build_heads(kind, target, **options)
@@ -292,7 +320,7 @@ def run_heads_training(args) -> int:
         loss_rows=args.loss_rows or (DEFAULT_LOSS_ROWS_CUDA if device.startswith("cuda") else DEFAULT_LOSS_ROWS_CPU),
         head_decay=args.head_decay, feature_weight=feature_weight, prompt_rows=args.prompt_rows,
         greedy_path_rows=not args.all_rows, softmax_negatives=args.softmax_negatives, eval_every=args.eval_every,
-        save_every=args.save_every, seed=args.seed, device=device,
+        save_every=args.save_every, seed=args.seed, device=device, anchors_per_row=getattr(args, "anchors", 16),
     )
     log = lambda message: print(message, file=sys.stderr)  # noqa: E731
     result = train(heads, target, samples, out, settings, target_description(target), {"data": data_info},
@@ -300,14 +328,15 @@ def run_heads_training(args) -> int:
     top1 = ", ".join(f"head {k + 1}: {acc:.3f}" for k, acc in enumerate(result.eval["top1"]))
     on_path = ", ".join(f"{acc:.3f}" for acc in result.eval["top1_greedy_path"])
     print(f"{kind}: {result.steps} steps in {result.elapsed_s / 60:.1f} min; held-out top-1 agreement {top1} "
-          f"(rows on the target's greedy path: {on_path}); "
+          f"(rows on the target's greedy path: {on_path}); held-out tau {result.eval['tau']:.2f} "
+          f"({result.eval['tau_chains']} chains of {heads.num_positions}); "
           f"checkpoint {out} (plot {out / 'training.png'})")
     return 0
 
 
 # ----------------------------------------------------------------------------- specdec export
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="a checkpoint of `specdec train eagle3` (or `train medusa`)")
+    parser.add_argument("checkpoint", help="a checkpoint of `specdec train eagle3` / `train dflash` (or `train medusa`)")
     parser.add_argument("out_dir", help="directory to write (config.json + model.safetensors)")
     parser.add_argument("--model", default=None,
                         help="the target (needed for Medusa heads, whose LM heads are copies of the target's; "
@@ -317,20 +346,20 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_export(args) -> int:
-    """EAGLE-3 -> LlamaForCausalLMEagle3 (SGLang, vLLM); Medusa -> vLLM's MedusaModel."""
+    """EAGLE-3 -> LlamaForCausalLMEagle3 and DFlash -> DFlashDraftModel (SGLang, vLLM); Medusa -> vLLM's MedusaModel."""
     import json
 
     from ..heads import HEAD_TYPES, read_checkpoint_config
-    from ..heads.export import export_eagle3, export_medusa
+    from ..heads.export import export_dflash, export_eagle3, export_medusa
 
     out = Path(args.out_dir)
     if (out / "config.json").exists() and not args.overwrite:
         raise ValueError(f"{out} already holds a config.json: pass --overwrite to replace it")
     config = read_checkpoint_config(args.checkpoint)
     kind = config["head"]["kind"]
-    if kind not in ("eagle3", "medusa"):
-        raise ValueError(f"{args.checkpoint} holds {kind!r} heads; serving engines load EAGLE-3 drafters and Medusa heads "
-                         "(train with `specdec train eagle3` or `specdec train medusa`)")
+    if kind not in ("eagle3", "dflash", "medusa"):
+        raise ValueError(f"{args.checkpoint} holds {kind!r} heads; serving engines load EAGLE-3 and DFlash drafters and "
+                         "Medusa heads (train with `specdec train eagle3|dflash|medusa`)")
     from safetensors.torch import load_file
 
     from ..heads import check_target_matches
@@ -345,6 +374,16 @@ def run_export(args) -> int:
               f"  sglang: python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 "
               f"--speculative-draft-model-path {out}\n"
               f"  vllm:   LLM(model=TARGET, speculative_config={json.dumps({'method': 'eagle3', 'model': str(out), 'num_speculative_tokens': 5})})")
+        return 0
+    if kind == "dflash":  # like EAGLE-3, the module carries its own (Qwen3) config
+        heads = HEAD_TYPES[kind].from_config(config["head"], None)
+        heads.load_state_dict(state)
+        export_dflash(heads, out, args.dtype)
+        spec = {"method": "dflash", "model": str(out), "num_speculative_tokens": heads.num_positions}
+        print(f"DFlash drafter for {config['target']['name']!r} in {out}:\n"
+              f"  sglang: python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH "
+              f"--speculative-draft-model-path {out}\n"
+              f"  vllm:   LLM(model=TARGET, speculative_config={json.dumps(spec)})")
         return 0
     args.model = args.model or config["target"]["name"]
     target = _load_target(args)

@@ -67,6 +67,9 @@ class TrainSettings:
     # learn only on rows whose context follows the target's greedy path (label_rows' greedy_from);
     # needed for teacher-forced corpus data, harmless on greedy answers (eval counts every row)
     greedy_path_rows: bool = True
+    # modules that draft a block per anchor (DFlash): blocks per sequence per step, anchored at
+    # random answer positions (held-out evaluation uses at least this many per answer)
+    anchors_per_row: int = 16
     eval_fraction: float = 0.1
     eval_rows: int = 4096
     eval_every: int = 100
@@ -84,7 +87,7 @@ class TrainSettings:
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
         check_int("softmax_negatives", self.softmax_negatives, 0)
-        for name in ("batch_size", "max_seq_len", "loss_rows", "eval_rows", "eval_every", "save_every"):
+        for name in ("batch_size", "max_seq_len", "loss_rows", "eval_rows", "eval_every", "save_every", "anchors_per_row"):
             check_positive_int(name, getattr(self, name))
         if not self.feature_weight >= 0:
             raise ValueError(f"feature_weight must be >= 0, got {self.feature_weight!r}")
@@ -219,12 +222,45 @@ class SampledVocab:
         return parts.with_lm_rows(ids), local
 
 
+def pick_anchors(batch: Batch, count: int, generator: torch.Generator, prompt_rows: bool = False) -> torch.Tensor:
+    """[B, count] random anchor indices t per row (block = context 0 .. t, anchor token t + 1) whose
+    first label t + 2 is a token of the row (of its answer unless prompt_rows); drawn without
+    replacement, repeated when a row has fewer (a repeat adds the same rows twice)."""
+    t = torch.arange(batch.tokens.shape[1])
+    lengths, answer_start = batch.lengths.cpu(), batch.answer_start.cpu()
+    valid = t[None, :] + 2 < lengths[:, None]  # [B, T]
+    if not prompt_rows:
+        valid &= t[None, :] + 2 >= answer_start[:, None]
+    picks = []
+    for row in valid:
+        choices = row.nonzero().squeeze(1)
+        if choices.numel() == 0:
+            choices = torch.zeros(1, dtype=torch.long)  # no label here: its rows are invalid anyway
+        order = choices[torch.randperm(choices.numel(), generator=generator)]
+        picks.append(order.repeat(-(-count // order.numel()))[:count])
+    return torch.stack(picks).to(batch.tokens.device)
+
+
+def run_heads(heads: DraftHeads, batch: Batch, parts: FrozenTargetParts, generator: torch.Generator, anchors_per_row: int,
+              prompt_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(features [K, B, T, H], is_anchor [B, T] or None): block drafters (`trains_on_anchors`) compute
+    only random anchors' rows, the others every position."""
+    if not heads.trains_on_anchors:
+        return heads(batch.hidden, batch.tokens, batch.positions, parts), None
+    anchors = pick_anchors(batch, anchors_per_row, generator, prompt_rows)  # [B, A]
+    is_anchor = torch.zeros_like(batch.tokens, dtype=torch.bool).scatter_(1, anchors, True)
+    return heads(batch.hidden, batch.tokens, batch.positions, parts, anchors=anchors), is_anchor
+
+
 def heads_loss(heads: DraftHeads, batch: Batch, parts: FrozenTargetParts, settings: TrainSettings,
                generator: torch.Generator, vocab: SampledVocab | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weighted loss, correct [K], counted [K]) on at most `settings.loss_rows` random label rows."""
-    features = heads(batch.hidden, batch.tokens, batch.positions, parts)  # [K, B, T, H]
+    features, is_anchor = run_heads(heads, batch, parts, generator, settings.anchors_per_row, settings.prompt_rows)  # [K, B, T, H]
     greedy_from = heads.greedy_path_from if settings.greedy_path_rows else None
     rows, labels = label_rows(batch, heads.num_positions, settings.prompt_rows, greedy_from)
+    if is_anchor is not None:
+        keep = is_anchor[rows[:, 1], rows[:, 2]]
+        rows, labels = rows[keep], labels[keep]
     proposable = heads.in_vocabulary(labels)  # EAGLE-3: rows whose label is outside the draft vocabulary are masked
     rows, labels = rows[proposable], labels[proposable]
     if rows.shape[0] > settings.loss_rows:
@@ -262,12 +298,19 @@ def evaluate(heads: DraftHeads, samples: list[Sample], parts: FrozenTargetParts,
     rank_hits = torch.zeros(num_positions, EVAL_RANKS)
     counted = torch.zeros(num_positions)
     path_hits, path_counted = torch.zeros(num_positions), torch.zeros(num_positions)
+    tau_sum, tau_chains = 0.0, 0
     for sample in samples:
         batch = make_batch([sample], heads.input_layers, settings.max_seq_len, generator, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.dtype == "bf16"):
-            features = heads(batch.hidden, batch.tokens, batch.positions, parts)  # [K, 1, T, H]
+            anchors = max(settings.anchors_per_row, TAU_CHAINS_PER_SAMPLE)
+            features, is_anchor = run_heads(heads, batch, parts, generator, anchors)  # [K, 1, T, H]
             rows, labels = label_rows(batch, num_positions)
             path_rows, _ = label_rows(batch, num_positions, greedy_from=heads.greedy_path_from)
+            chains, accepted = chain_acceptance(heads, batch, features, parts, is_anchor, generator)
+            tau_sum += float(accepted.sum()) + chains
+            tau_chains += chains
+            if is_anchor is not None:
+                rows, labels = rows[is_anchor[rows[:, 1], rows[:, 2]]], labels[is_anchor[rows[:, 1], rows[:, 2]]]
             on_path = torch.zeros(num_positions, batch.tokens.shape[1], dtype=torch.bool, device=rows.device)  # [K, T]
             on_path[path_rows[:, 0], path_rows[:, 2]] = True
             if rows.shape[0] > per_sample:
@@ -298,7 +341,43 @@ def evaluate(heads: DraftHeads, samples: list[Sample], parts: FrozenTargetParts,
         "rank_acc": rank_acc,  # [K][r]: share of labels that are the head's rank-r candidate
         "rows": counted.long().tolist(),
         "rows_greedy_path": path_counted.long().tolist(),
+        # mean tokens per greedy verify step of a K-token chain (accepted drafts + the target's own)
+        "tau": tau_sum / max(1, tau_chains),
+        "tau_chains": tau_chains,
     }
+
+
+TAU_CHAINS_PER_SAMPLE = 32  # chain starts per held-out answer for the tau estimate
+
+
+def chain_acceptance(heads: DraftHeads, batch: Batch, features: torch.Tensor, parts: FrozenTargetParts,
+                     is_anchor: torch.Tensor | None, generator: torch.Generator) -> tuple[int, torch.Tensor]:
+    """(chains, accepted [chains]): greedy verification of the K-token chain drafted at answer
+    positions t (anchors, or up to TAU_CHAINS_PER_SAMPLE random t) of a one-row batch: the number
+    of leading head positions whose top-1 is the target's token while the text follows the target's
+    greedy path (where the data leaves it, the draft could not have been judged further). Only
+    starts whose K labels all lie in the answer count."""
+    num_positions = heads.num_positions
+    t = torch.arange(batch.tokens.shape[1], device=batch.tokens.device)
+    full = (t + num_positions + 1 < batch.lengths[0]) & (t + 2 >= batch.answer_start[0])  # [T]
+    if is_anchor is not None:
+        full &= is_anchor[0]
+    starts = full.nonzero().squeeze(1)
+    if is_anchor is None and starts.numel() > TAU_CHAINS_PER_SAMPLE:
+        starts = starts[torch.randperm(starts.numel(), generator=generator)[:TAU_CHAINS_PER_SAMPLE].to(starts.device)]
+    if starts.numel() == 0:
+        return 0, torch.zeros(0)
+    logits = heads.project(features[:, 0, starts], parts).float()  # [K, n, V']
+    proposed = heads.to_target_ids(logits.argmax(-1))  # [K, n]
+    k = torch.arange(1, num_positions + 1, device=starts.device)[:, None]  # [K, 1]
+    labels = batch.target_next[0, starts[None, :] + k]  # [K, n]: the target's token t + k + 1
+    # the draft's tokens t + 2 .. t + k equal the data's only on the greedy path (tokens[i] == target_next[i - 1])
+    greedy = batch.tokens[0, 1:] == batch.target_next[0, :-1]  # [T - 1]: token i + 1 is greedy
+    on_path = torch.ones_like(labels, dtype=torch.bool)
+    for depth in range(2, num_positions + 1):
+        on_path[depth - 1] = on_path[depth - 2] & greedy[starts + depth - 1]
+    accepted = ((proposed == labels) & on_path).long().cumprod(0).sum(0)  # [n]
+    return int(starts.numel()), accepted.cpu().float()
 
 
 def evaluate_by_source(heads: DraftHeads, samples: list[Sample], parts: FrozenTargetParts, settings: TrainSettings,

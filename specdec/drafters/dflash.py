@@ -1,0 +1,136 @@
+"""DFlash drafting (`dflash`): one forward of the block-diffusion module drafts a whole chain.
+
+The module (specdec.heads.dflash) keeps a KV cache of the context: after each verify the loop
+hands the target's fused hidden rows of the tokens that entered its cache (`ctx.new_hidden`), and
+each draft layer's context keys / values for them are computed once (`DFlashRunner.absorb`). A
+proposal runs the block [root, MASK x (block_size - 1)] at the root's position over that cache
+(non-causal: no mask), reads rows 1 .. K through the target's LM head (or the rows of a reduced
+draft vocabulary), and forgets the block's keys.
+
+Greedy (or sample=false): each row's argmax. Temperature > 0: each row's token is sampled from
+its own warped q and q goes to verification as draft_probs. The rows do not see each other's
+sampled tokens, so q_k is exactly the distribution token k was drawn from — rejection sampling
+stays exact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..checks import check_int
+from ..draft import Draft
+from ..heads import DFlashModule, DraftVocab, FrozenTargetParts, grow_cache, load_checkpoint
+from ..heads.export import is_dflash_export, load_dflash_export
+from ..kv_cache import KVCache
+from .base import DraftContext, Drafter, register_drafter
+from .eagle import chain_chooser, new_hidden_rows
+
+_CACHE_HEADROOM = 64
+
+
+class DFlashRunner:
+    """Per-sequence state: the context keys / values of every draft layer over the committed positions."""
+
+    def __init__(self, heads: DFlashModule, vocab: DraftVocab, target, prompt_len: int):
+        self.heads, self.vocab, self.parts = heads, vocab, vocab.parts
+        attn = heads.layers[0].self_attn
+        self.cache = KVCache(len(heads.layers), 1, attn.num_kv_heads, attn.head_dim, prompt_len + _CACHE_HEADROOM,
+                             target.dtype, target.device)
+
+    @property
+    def cached(self) -> int:
+        return int(self.cache.lengths[0])
+
+    def absorb(self, ctx: DraftContext) -> None:
+        rows, start = new_hidden_rows(ctx, self.heads.input_layers, self.cached)
+        if rows is None:
+            return
+        num_new = rows.shape[0]
+        self.cache = grow_cache(self.cache, start + num_new + self.heads.block_size + _CACHE_HEADROOM)
+        positions = torch.arange(start, start + num_new, device=rows.device)[None]  # [1, n]
+        for slot, (keys, values) in enumerate(self.heads.context_kv(self.heads.context_states(rows[None]), positions)):
+            self.cache.write(slot, keys, values)
+        self.cache.advance(num_new)
+
+    def block_logits(self, root: int, length: int) -> torch.Tensor:
+        """Logits [length, V'] of the first `length` prediction rows of the block rooted at `root`."""
+        committed = self.cached
+        offset = self.heads.prediction_offset
+        block = self.heads.block_tokens(torch.tensor([root], device=self.heads.fc.weight.device))  # [1, block_size]
+        positions = torch.arange(committed, committed + self.heads.block_size, device=block.device)[None]
+        hidden = self.heads.run_block(block, positions, self.cache, None, self.parts)  # [1, block_size, H]
+        self.cache.truncate(committed)  # forget the block's keys: only verified positions stay
+        return self.heads.project(hidden[0, offset : offset + length], self.parts).float()  # [length, V']
+
+
+@register_drafter
+class DFlashDrafter(Drafter):
+    """DFlash block diffusion: one draft forward proposes a chain of up to block_size - 1 tokens.
+
+    checkpoint: directory written by `specdec train dflash` (for this very target), or a
+        DFlashDraftModel directory (`specdec export`, SGLang / vLLM layout) for this target.
+    sample: at temperature > 0, sample each draft token from its row's q (draft_probs) instead of argmax.
+    draft_vocab: propose only the checkpoint's N most frequent label tokens (0 = every token).
+    """
+
+    name = "dflash"
+
+    def __init__(self, target=None, checkpoint: str | None = None, sample: bool = True, draft_vocab: int = 8192):
+        if target is None:
+            raise ValueError("the dflash drafter needs the target (its embeddings, LM head and hidden states)")
+        if not checkpoint:
+            raise ValueError("the dflash drafter needs checkpoint=DIR: train one with `specdec train dflash`")
+        if is_dflash_export(Path(checkpoint)):
+            heads, config = load_dflash_export(checkpoint, target), {}
+        else:
+            heads, config = load_checkpoint(checkpoint, target, drafter=self.name)
+        vocab = DraftVocab.from_config(FrozenTargetParts.from_target(target), config, draft_vocab)
+        self._setup(target, heads, vocab, sample)
+
+    @classmethod
+    def from_module(cls, target, heads: DFlashModule, sample: bool = True) -> DFlashDrafter:
+        """A drafter around an in-memory module (e.g. right after training), without a checkpoint."""
+        drafter = cls.__new__(cls)
+        heads = heads.to(device=target.device, dtype=target.dtype).eval()
+        drafter._setup(target, heads, DraftVocab(FrozenTargetParts.from_target(target), None), sample)
+        return drafter
+
+    def _setup(self, target, heads: DFlashModule, vocab: DraftVocab, sample: bool) -> None:
+        if not isinstance(heads, DFlashModule):
+            raise ValueError(f"the dflash drafter runs 'dflash' modules, got {heads.kind!r}")
+        if not isinstance(sample, bool):
+            raise ValueError(f"sample must be true or false, got {sample!r}")
+        self.target, self.heads, self.vocab, self.sample = target, heads, vocab, sample
+        self.hidden_layers = tuple(heads.input_layers)
+        self.default_budget = heads.num_positions
+        target_params = sum(p.numel() for p in target.model.parameters())
+        head_params = sum(p.numel() for p in heads.parameters())
+        # one forward reads the module once for the whole block; each row reads its LM-head rows
+        self._cost_tokens = (head_params / heads.num_positions + vocab.rows * target.hidden_size) / max(1, target_params)
+        self.runner: DFlashRunner | None = None
+
+    def draft_cost_tokens(self) -> float:
+        return self._cost_tokens
+
+    def begin(self, prompt_ids, target) -> None:
+        self.runner = DFlashRunner(self.heads, self.vocab, self.target, len(prompt_ids))
+
+    @torch.inference_mode()
+    def on_verified(self, result, ctx: DraftContext) -> None:
+        self.runner.absorb(ctx)
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, budget: int) -> Draft:
+        if self.runner is None or self.runner.cached == 0 or budget <= 0:
+            return Draft.empty()
+        if len(ctx.tokens) - 1 != self.runner.cached:
+            raise RuntimeError(f"drafter out of sync: {self.runner.cached} positions cached, root at {len(ctx.tokens) - 1}")
+        length = min(check_int("budget", budget, 1), self.heads.num_positions)
+        choose = chain_chooser(self.vocab, ctx, self.sample)
+        picks = [choose(row) for row in self.runner.block_logits(ctx.tokens[-1], length)]
+        tokens = torch.tensor([token for token, _ in picks], dtype=torch.long)
+        if picks[0][1] is None:
+            return Draft.chain(tokens)
+        return Draft.chain(tokens, torch.stack([q for _, q in picks]))
