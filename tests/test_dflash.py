@@ -181,6 +181,14 @@ def test_export_is_the_dflash_layout_the_engines_load(counter, trained, tmp_path
       head_dim; embed_tokens / lm_head are optional (shared with the target when absent); the mask
       embedding is embed_tokens[dflash_config.mask_token_id]; attention is non-causal unless
       layer_types say sliding_attention or dflash_config.causal is set.
+    * SGLang python/sglang/srt/models/dflash.py DFlashDraftModel.load_weights: layers.{i}.* with
+      q/k/v_proj -> qkv_proj and gate/up_proj -> gate_up_proj, fc.weight shape checked against
+      len(target_layer_ids) * hidden_size, hidden_norm, norm; no embed_tokens / lm_head (the target's
+      are used); layer_types "full_attention" -> ENCODER_ONLY (non-causal) attention.
+      speculative/dflash_utils.py parse_dflash_draft_config: block_size (top level or dflash_config),
+      dflash_config.target_layer_ids (each in [0, num_target_layers)), dflash_config.mask_token_id
+      (a non-negative int), num_target_layers; build_target_layer_ids = "hidden states after each
+      selected target layer".
     * z-lab/dflash dflash/model.py DFlashDraftModel: config.block_size, dflash_config
       {mask_token_id, target_layer_ids} (default from num_target_layers), hidden states
       hidden_states[layer_id + 1] concatenated in order, target_hidden = hidden_norm(fc(.)).
@@ -213,6 +221,7 @@ def test_export_is_the_dflash_layout_the_engines_load(counter, trained, tmp_path
     assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (
         hidden, heads, kv_heads, head_dim)
     assert config["layer_types"] == ["full_attention"] * 2 and "causal" not in config["dflash_config"]
+    assert all(0 <= i < counter.num_layers for i in config["dflash_config"]["target_layer_ids"])
     assert config["tie_word_embeddings"] is False and config["torch_dtype"] == "bfloat16"
 
     export_dflash(module, tmp_path / "fp32", dtype="float32")  # exact weights: identical logits and drafts

@@ -277,11 +277,13 @@ def run_eval(args) -> int:
     parts = FrozenTargetParts.from_target(target).to(dtype=torch.float32)
     results = evaluate_by_source(heads.float(), held_out, parts, settings, torch.device("cpu"))
     print(f"{args.checkpoint}: {len(held_out)} held-out answers (the trainer's split of {len(samples)} samples); "
-          f"top-1 agreement with the target per head position (rows on the target's greedy path)")
+          f"top-1 agreement with the target per head position (rows on the target's greedy path), "
+          f"tau of a {heads.num_positions}-token chain under greedy verification")
     for name, result in results.items():
         rates = " / ".join(f"{rate:.3f}" for rate in result["top1"])
         on_path = " / ".join(f"{rate:.3f}" for rate in result["top1_greedy_path"])
-        print(f"  {name:<16} {result['samples']:>5} answers {result['rows'][0]:>7} rows   {rates}   ({on_path})")
+        print(f"  {name:<16} {result['samples']:>5} answers {result['rows'][0]:>7} rows   {rates}   ({on_path})   "
+              f"tau {result['tau']:.2f}")
     return 0
 
 

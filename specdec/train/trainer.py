@@ -396,7 +396,10 @@ def evaluate_by_source(heads: DraftHeads, samples: list[Sample], parts: FrozenTa
 
     top1, rows = pooled("top1", "rows")
     on_path, path_rows = pooled("top1_greedy_path", "rows_greedy_path")
-    results["all"] = {"top1": top1, "rows": rows, "top1_greedy_path": on_path, "rows_greedy_path": path_rows}
+    chains = sum(r["tau_chains"] for r in results.values())
+    tau = sum(r["tau"] * r["tau_chains"] for r in results.values()) / max(1, chains)
+    results["all"] = {"top1": top1, "rows": rows, "top1_greedy_path": on_path, "rows_greedy_path": path_rows,
+                      "tau": tau, "tau_chains": chains}
     for name, group in groups.items():
         results[name]["samples"] = len(group)
     results["all"]["samples"] = len(samples)
