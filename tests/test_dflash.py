@@ -283,3 +283,15 @@ def test_dflash_cli_end_to_end(counter, tmp_path, capsys):
     assert main(["generate", "!#%'", "--model", model_dir, "--max-new-tokens", "12", "--temperature", "0"]) == 0
     outputs = capsys.readouterr().out.strip().splitlines()
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_greedy_on_smollm2_equals_plain_with_any_drafts(smollm2):
+    """Real SmolLM2, an untrained (perturbed) module: drafts are mostly wrong, output is still plain
+    decoding's, for a batch of two requests and for one."""
+    module = _perturbed(build_heads("dflash", smollm2, 3, block_size=4, num_draft_layers=2), scale=0.01)
+    drafter = DFlashDrafter.from_module(smollm2, module)
+    prompts = ["Write one sentence about cats.", "def fibonacci(n):"]
+    results = generate_batch(smollm2, prompts, drafter, max_new_tokens=16)
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == generate(smollm2, prompt, max_new_tokens=16).tokens
+        assert result.stats.drafted_tokens > 0  # the drafter really proposed
