@@ -1,4 +1,4 @@
-"""One training loop for every head type (Medusa heads, MTP parallel heads, MTP sequential module).
+"""One training loop for every head type (Medusa, MTP parallel / sequential, EAGLE-1 / EAGLE-3, DFlash).
 
 The target stays frozen; only the head module trains. Labels are the target's own choices
 (self-distilled data, specdec.train.data): head position k at position t learns the target's top-1
@@ -17,6 +17,11 @@ head_decay^(k - 1) (Medusa's 0.8^k) and averaged. AdamW, linear warmup then cosi
 `min_lr_ratio`, gradient clipping, bf16 autocast or fp32, a time budget, held-out evaluation
 (top-1 agreement with the target's tokens per head position, and rank-r hit rates that the
 drafters use to shape their trees), a progress bar, checkpoints, resume and a PNG plot.
+
+Block drafters (`trains_on_anchors`, DFlash) compute only `anchors_per_row` random answer
+positions per sequence per step (each a block drafted from there) and the rows are those anchors'.
+Held-out evaluation also reports `tau`: the mean tokens per greedy verify step of a K-token chain
+(leading head positions whose top-1 is the target's token, + 1), for every head type alike.
 
 Schedule horizon: `steps` when given (a resumed run continues the same schedule), else this
 run's `minutes` (the cosine follows elapsed time).
@@ -310,7 +315,8 @@ def evaluate(heads: DraftHeads, samples: list[Sample], parts: FrozenTargetParts,
             tau_sum += float(accepted.sum()) + chains
             tau_chains += chains
             if is_anchor is not None:
-                rows, labels = rows[is_anchor[rows[:, 1], rows[:, 2]]], labels[is_anchor[rows[:, 1], rows[:, 2]]]
+                keep = is_anchor[rows[:, 1], rows[:, 2]]
+                rows, labels = rows[keep], labels[keep]
             on_path = torch.zeros(num_positions, batch.tokens.shape[1], dtype=torch.bool, device=rows.device)  # [K, T]
             on_path[path_rows[:, 0], path_rows[:, 2]] = True
             if rows.shape[0] > per_sample:
