@@ -15,8 +15,9 @@ from .streaming import TextDeltas
 def load_target(name_or_path: str, dtype: str = "float32", progress: bool = True, weights: str | None = None):
     """A registry name (`specdec models list`), a local HF model directory, or a local .gguf file.
 
-    weights: None (as stored: GGUF blocks in the kernel for GGUF-sourced models), "gguf", or
-    "fp32" (the dequantized dense weights); see specdec.models.load_target."""
+    weights: None (as stored: GGUF blocks in the kernel for GGUF-sourced models), "gguf",
+    "gguf-a8" (the blocks on int8 activations: lossy, cheaper verify) or "fp32" (the dequantized
+    dense weights); see specdec.models.load_target."""
     from .models import load_target as _load
 
     return _load(name_or_path, dtype=dtype, progress=progress, weights=weights)

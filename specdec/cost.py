@@ -25,6 +25,10 @@ import torch
 from .paths import cache_root
 
 DEFAULT_KS = (1, 2, 3, 4, 6, 8, 12, 16)
+# What a table's milliseconds are: wall clock (what the budget choosers want), or the process's CPU
+# time (all its threads), which a shared, oversubscribed machine inflates far less: for comparing
+# forwards (weight formats, k) there, not for choosing gammas
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 # ============================================================================ the table
@@ -111,8 +115,8 @@ def _target_device(target) -> torch.device:
     return torch.device(getattr(target, "device", "cpu"))
 
 
-def cost_key(target, prefix_len: int = 64) -> dict:
-    """What a measured table depends on: model, device, dtype, threads, torch, machine."""
+def cost_key(target, prefix_len: int = 64, clock: str = "wall") -> dict:
+    """What a measured table depends on: model, device, dtype, threads, torch, machine (, clock)."""
     device = _target_device(target)
     key = {
         "model": str(target.name),
@@ -130,6 +134,8 @@ def cost_key(target, prefix_len: int = 64) -> dict:
     }
     if device.type == "cuda" and torch.cuda.is_available():
         key["device_name"] = torch.cuda.get_device_name(device)
+    if clock != "wall":  # wall-clock keys stay as they were (cached tables remain valid)
+        key["clock"] = clock
     return key
 
 
@@ -147,16 +153,21 @@ def measure_cost_table(
     ks: Sequence[int] = DEFAULT_KS,
     prefix_len: int = 64,
     repeats: int = 5,
-    timer: Callable[[], float] = time.perf_counter,
+    timer: Callable[[], float] | None = None,
     progress: bool = True,
     warmup: int = 1,
+    clock: str = "wall",
 ) -> CostTable:
     """Median ms of ``target.forward`` over k new tokens after a ``prefix_len`` prefix, per k.
 
     For each k: a fresh cache, a prefill of token ids ``arange(prefix_len) % vocab``, ``warmup``
     untimed forwards, then ``repeats`` timed ones, truncating the cache back to the prefix before
-    each so every repeat sees the same context length. ``timer`` returns seconds.
+    each so every repeat sees the same context length. ``timer`` returns seconds (default: the
+    ``clock``'s, see CLOCKS).
     """
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+    timer = timer or CLOCKS[clock]
     ks = sorted({int(k) for k in ks})
     if not ks or ks[0] < 1:
         raise ValueError(f"ks must be non-empty integers >= 1, got {ks}")
@@ -190,7 +201,7 @@ def measure_cost_table(
                     samples_ms.append(elapsed_ms)
             medians.append(statistics.median(samples_ms))
             del cache
-    return CostTable(key=cost_key(target, prefix_len), k=ks, ms=medians)
+    return CostTable(key=cost_key(target, prefix_len, clock), k=ks, ms=medians)
 
 
 def get_or_measure(
@@ -201,10 +212,11 @@ def get_or_measure(
     path: str | os.PathLike | None = None,
     refresh: bool = False,
     progress: bool = True,
-    timer: Callable[[], float] = time.perf_counter,
+    timer: Callable[[], float] | None = None,
+    clock: str = "wall",
 ) -> CostTable:
     """The cached table for this target's key if it covers ``ks``, else measure and cache it."""
-    key = cost_key(target, prefix_len)
+    key = cost_key(target, prefix_len, clock)
     path = Path(path) if path is not None else default_cache_path(key)
     if not refresh and path.is_file():
         try:
@@ -213,6 +225,6 @@ def get_or_measure(
             cached = None  # a corrupt cache file is re-measured, not fatal
         if cached is not None and cached.key == key and set(ks) <= set(cached.k):
             return cached
-    table = measure_cost_table(target, ks, prefix_len, repeats, timer=timer, progress=progress)
+    table = measure_cost_table(target, ks, prefix_len, repeats, timer=timer, progress=progress, clock=clock)
     table.save(path)
     return table

@@ -126,3 +126,32 @@ def test_small_model_skips_prefill_of_a_long_prompt_and_stays_lossless(tiny_targ
         assert plain[0].tokens == outputs[name].tokens
     assert outputs["long"].stats.drafted_tokens == 0
     assert outputs["short"].stats.drafted_tokens > 0
+
+
+class ScoringStub(StubDrafter):
+    """A stub whose drafts carry confidences (the policy then plans full blocks)."""
+
+    name = "scoring-stub"
+    gives_confidences = True
+
+
+def test_confidence_drafts_get_full_blocks_then_one_scheduler_call_cuts_them():
+    from specdec.budget import FixedBudget
+    from specdec.schedule import admit
+
+    policy = AutoBudget(TABLE, max_budget=8)
+    seqs = [make_seq(ScoringStub(0, 0.1, default_budget=4)) for _ in range(4)]
+    assert policy.plan(seqs) == [4, 4, 4, 4] and policy.max_budget_for(seqs[0].drafter) == 4
+    confidences = [[0.95, 0.9, 0.9, 0.3], [0.5, 0.9, 0.9, 0.9], [0.99, 0.99, 0.99, 0.99]]
+    drafts = [Draft.chain([5, 6, 7, 8], confidences=c) for c in confidences] + [Draft.chain([9, 9])]  # the last is unscored
+    cut = policy.verify_prefixes(seqs, drafts)
+    # the unscored draft is verified whole, and its 3 tokens (root + 2) share the forward
+    expected = admit(confidences, lambda tokens: 1000.0 / TABLE.t(tokens + 3))
+    assert [len(d) for d in cut] == expected + [2]
+    assert len(set(expected)) > 1 and 0 < sum(expected) < 12
+    for draft, whole in zip(cut, drafts):
+        assert draft.tokens.tolist() == whole.tokens[: len(draft)].tolist()
+    # the policy switched off, or a fixed block: planned from estimates / verified whole
+    off = AutoBudget(TABLE, max_budget=8, use_confidences=False)
+    assert off.verify_prefixes(seqs, drafts) == drafts and off.max_budget_for(seqs[0].drafter) == 8
+    assert FixedBudget(4).verify_prefixes(seqs, drafts) == drafts

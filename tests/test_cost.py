@@ -408,3 +408,15 @@ def test_measure_cost_table_on_real_tiny_target(tiny_target):
     assert table.key["model"] == tiny_target.name
     real = measure_cost_table(tiny_target, ks=(1, 2), prefix_len=8, repeats=1, progress=False)
     assert all(ms > 0 for ms in real.ms)
+
+
+def test_cpu_clock_tables_are_cached_apart_from_wall_clock_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    clock = FakeClock()
+    target = ClockedTarget(clock, base_ms=5.0, per_token_ms=1.0)
+    wall = get_or_measure(target, ks=(1, 2), prefix_len=8, repeats=1, timer=clock, progress=False)
+    cpu = get_or_measure(target, ks=(1, 2), prefix_len=8, repeats=1, timer=clock, progress=False, clock="cpu")
+    assert "clock" not in wall.key and cpu.key["clock"] == "cpu"  # wall keys unchanged: old caches stay valid
+    assert default_cache_path(wall.key) != default_cache_path(cpu.key)
+    with pytest.raises(ValueError, match="clock must be one of wall, cpu"):
+        measure_cost_table(target, ks=(1,), prefix_len=8, repeats=1, progress=False, clock="gpu")

@@ -38,3 +38,21 @@ def test_checkpoint_round_trip_keeps_keys_and_outputs(tiny_target, tmp_path, kin
     tokens, positions = torch.tensor([[5, 6, 7, 8]]), torch.arange(4)[None]
     with torch.no_grad():
         assert torch.equal(loaded(hidden, tokens, positions, parts), heads.eval()(hidden, tokens, positions, parts))
+
+
+@pytest.mark.parametrize("kind", ["mtp-parallel", "mtp-sequential", "eagle1"])
+def test_heads_start_from_a_gguf_block_target_as_from_its_fp32_twin(kind):
+    """The registry's default weights="gguf" keeps the target's blocks quantized; a head that starts
+    as a copy of a target block must read them dequantized, exactly as the fp32 target holds them."""
+    from specdec import load_target
+
+    block_target = load_target("smollm2-135m", progress=False)  # default: GGUF blocks in the kernel
+    fp32_target = load_target("smollm2-135m", weights="fp32", progress=False)
+    from_blocks = build_heads(kind, block_target, 2).state_dict()
+    from_fp32 = build_heads(kind, fp32_target, 2).state_dict()
+    assert from_blocks.keys() == from_fp32.keys()
+    copied = [name for name in from_blocks if ".block" in f".{name}" or name.startswith("blocks")]
+    assert copied, "the head copies no target block: the test checks nothing"
+    for name in from_blocks:
+        if torch.is_floating_point(from_blocks[name]):
+            assert torch.equal(from_blocks[name], from_fp32[name]), name

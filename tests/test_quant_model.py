@@ -87,19 +87,24 @@ def test_weights_option_errors_are_clear(quantized_gguf, tmp_path, monkeypatch):
     from conftest import make_tiny_hf_dir
 
     _, _, model_dir = quantized_gguf
-    with pytest.raises(ValueError, match="weights must be one of gguf, fp32"):
+    with pytest.raises(ValueError, match="weights must be one of gguf, gguf-a8, fp32"):
         load_native(model_dir, weights="int4")
     with pytest.raises(ValueError, match="float32 activations"):
         load_native(model_dir, dtype="bfloat16", weights="gguf")
+    with pytest.raises(ValueError, match="weights='gguf-a8' runs float32 activations"):
+        load_native(model_dir, dtype="bfloat16", weights="gguf-a8")
     assert load_native(model_dir, dtype="bfloat16").weights == "fp32"  # unset: dense bf16
     hf_dir, _ = make_tiny_hf_dir(tmp_path / "hf", "qwen2")
-    with pytest.raises(ValueError, match="holds no GGUF blocks"):
-        load_native(hf_dir, weights="gguf")
+    for blocks_mode in ("gguf", "gguf-a8"):
+        with pytest.raises(ValueError, match="holds no GGUF blocks"):
+            load_native(hf_dir, weights=blocks_mode)
     assert load_native(hf_dir).weights == "fp32"
     monkeypatch.setenv("SPECDEC_LINEAR", "torch")  # kernel off: the blocks are dequantized at load
     assert load_native(model_dir).weights == "fp32"
     with pytest.raises(ValueError, match="needs the compiled kernel"):
         load_native(model_dir, weights="gguf")
+    with pytest.raises(ValueError, match="needs the compiled kernel"):
+        load_native(model_dir, weights="gguf-a8")
 
 
 def test_transformers_reads_a_block_cache_through_its_source_gguf(quantized_gguf):
@@ -152,6 +157,7 @@ def test_every_command_that_loads_a_target_takes_weights(command):
 
     parser = build_parser()
     assert parser.parse_args([*command, "--weights", "fp32"]).weights == "fp32"
+    assert parser.parse_args([*command, "--weights", "gguf-a8"]).weights == "gguf-a8"
     assert parser.parse_args(command).weights is None  # as stored
     with pytest.raises(SystemExit):
         parser.parse_args([*command, "--weights", "int4"])
@@ -162,5 +168,6 @@ def test_cost_tables_are_per_weight_format(quantized_gguf):
 
     _, _, model_dir = quantized_gguf
     stored, dense = load_native(model_dir), load_native(model_dir, weights="fp32")
-    assert (cost_key(stored)["weights"], cost_key(dense)["weights"]) == ("gguf", "fp32")
-    assert default_cache_path(cost_key(stored)) != default_cache_path(cost_key(dense))
+    a8 = load_native(model_dir, weights="gguf-a8")
+    assert [cost_key(t)["weights"] for t in (stored, dense, a8)] == ["gguf", "fp32", "gguf-a8"]
+    assert len({default_cache_path(cost_key(t)) for t in (stored, dense, a8)}) == 3

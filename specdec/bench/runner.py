@@ -59,7 +59,7 @@ class BenchConfig:
     top_p: float = 1.0
     seed: int = 0
     dtype: str = "float32"
-    weights: str | None = None  # load_target's weights: None (as stored), "gguf" or "fp32"
+    weights: str | None = None  # load_target's weights: None (as stored), "gguf", "gguf-a8" or "fp32"
     out_dir: str | None = None  # None = runs/bench-<timestamp>
     warmup: bool = True
     progress: bool = True

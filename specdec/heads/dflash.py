@@ -28,7 +28,6 @@ a subclass with offset 0 (DSpark) treats the anchor row itself as the first pred
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..checks import check_int, check_positive_int

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..checks import check_positive_int
 from ..models.llama import MLP, Attention, Block, RMSNorm, block_flags
-from .modules import ChainedModule, FrozenTargetParts, register_head_type
+from .modules import ChainedModule, FrozenTargetParts, dense_state_dict, register_head_type
 
 DEFAULT_EAGLE3_VOCAB = 32000  # draft vocabulary size of the published EAGLE-3 drafters
 _DRAFT_CONFIG_KEYS = (  # what an EAGLE-3 checkpoint stores to rebuild the module without its target (export)
@@ -72,7 +72,7 @@ class Eagle1Module(ChainedModule):
 
     def init_from_target(self, target) -> None:
         """Start as the identity on the feature (token half and residual branches zeroed), like MTP."""
-        self.block.load_state_dict({name: tensor.float() for name, tensor in target.model.model.layers[-1].state_dict().items()})
+        self.block.load_state_dict(dense_state_dict(target.model.model.layers[-1]))
         hidden_size = self.fc.weight.shape[0]
         with torch.no_grad():
             self.fc.weight.zero_()

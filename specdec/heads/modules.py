@@ -323,9 +323,9 @@ class MTPParallelHeads(DraftHeads):
         return cls(target_config, config["num_positions"])
 
     def init_from_target(self, target) -> None:
-        last_block = target.model.model.layers[-1].state_dict()
+        last_block = dense_state_dict(target.model.model.layers[-1])
         for block in self.blocks:
-            block.load_state_dict({name: tensor.float() for name, tensor in last_block.items()})
+            block.load_state_dict(last_block)
 
     def forward(self, hidden, tokens, positions, parts=None) -> torch.Tensor:
         num_new = hidden.shape[1]
@@ -438,8 +438,7 @@ class MTPSequentialModule(ChainedModule):
         target's last block, so its attention / MLP features are meaningful) has its two output
         projections zeroed, so it starts as the identity on the residual stream — zero-initialised
         residual branches (docs/results.md: why not a random projection)."""
-        last_block = target.model.model.layers[-1].state_dict()
-        self.block.load_state_dict({name: tensor.float() for name, tensor in last_block.items()})
+        self.block.load_state_dict(dense_state_dict(target.model.model.layers[-1]))
         hidden_size = self.proj.weight.shape[0]
         with torch.no_grad():
             self.proj.weight.zero_()

@@ -75,14 +75,16 @@ def method_table(compiler: str | None = None) -> dict[str, Callable]:
         kernel = BACKENDS["cpp"](compiler=compiler)
         for type_name in ("Q4_K", "Q6_K", "Q8_0", "Q5_0"):
             methods[f"gguf_{type_name.lower()}"] = _gguf_blocks(type_name, kernel)
+            methods[f"gguf_{type_name.lower()}_a8"] = _gguf_blocks(type_name, kernel, activations="int8")
     except KernelUnavailable as exc:
         print(f"# gguf: unavailable ({exc})")
     return methods
 
 
-def _gguf_blocks(type_name: str, kernel) -> Callable:
+def _gguf_blocks(type_name: str, kernel, activations: str = "fp32") -> Callable:
     """GGUFLinear on random valid blocks of the weight's shape (timing only: the kernel's work
-    and bytes do not depend on the values; finite fp16 scales keep the arithmetic ordinary)."""
+    and bytes do not depend on the values; finite fp16 scales keep the arithmetic ordinary).
+    activations="int8": the gguf-a8 mode."""
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -99,7 +101,8 @@ def _gguf_blocks(type_name: str, kernel) -> Callable:
         scales = np.full((out_features, in_features // block), 0.01, dtype=np.float16).view(np.uint8)
         for offset in scale_offsets:
             data[..., offset : offset + 2] = scales.reshape(out_features, -1, 2)
-        layer = GGUFLinear(torch.from_numpy(data.reshape(out_features, -1)), int(qtype), in_features, bias, kernel)
+        layer = GGUFLinear(torch.from_numpy(data.reshape(out_features, -1)), int(qtype), in_features, bias, kernel,
+                           activations)
         return layer
 
     return prepare

@@ -10,6 +10,11 @@ order fp32 FMA accumulation (`csrc/skinny_gemm.cpp`). So
 for every row count and thread count, while reading ~4-7x fewer bytes than the fp32 matrix and
 never materialising it. `GGUFEmbedding` dequantizes only the looked-up rows.
 
+`GGUFLinear(..., activations="int8")` is the int8-activation mode (weights="gguf-a8"): x is
+quantized per block of 32 to int8 with an fp32 scale and each weight sub-block costs one exact
+integer dot product (VNNI / AVX2 maddubs). Lossy vs fp32 activations, still bitwise batch
+invariant (and the same bits on AVX2 and AVX-512), so speculation is exact w.r.t. this model.
+
 Both modules keep the blocks in a `weight` Parameter (uint8, no grad) so byte counts over
 `parameters()` and weight tying work as for nn.Linear; `fp32_weight()` is the dense matrix for
 code that needs one (training heads, other dtypes, autograd: a temporary copy each call).
@@ -27,6 +32,7 @@ from .skinny_gemm import CppSkinnyLinear
 # The GGUF block types the kernel computes on (ggml type ids, as gguf.GGMLQuantizationType).
 KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 _FP32 = torch.float32
+ACTIVATIONS = ("fp32", "int8")  # GGUFLinear's activation modes: exact fp32, or int8 blocks (a8)
 
 
 def type_name(ggml_type: int) -> str:
@@ -80,8 +86,10 @@ class GGUFLinear(nn.Module):
     """y = x W^T (+ b) with W kept as GGUF blocks; bitwise the kernel on the dequantized W."""
 
     def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None = None,
-                 backend: CppSkinnyLinear | None = None):
+                 backend: CppSkinnyLinear | None = None, activations: str = "fp32"):
         super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         self.backend = backend or CppSkinnyLinear()
         _checked_blocks(blocks, ggml_type, in_features, self.backend)
         self.weight = _as_parameter(blocks)  # [out, in / block * bytes] uint8; tied weights share it
@@ -89,6 +97,7 @@ class GGUFLinear(nn.Module):
         self.ggml_type = int(ggml_type)
         self.in_features = in_features
         self.out_features = blocks.shape[0]
+        self.activations = activations
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         bias = self.bias
@@ -99,8 +108,10 @@ class GGUFLinear(nn.Module):
         ):  # fmt: skip
             if not x.is_contiguous():
                 x = x.contiguous()
-            return self.backend.library.linear_gguf(x, self.weight, self.ggml_type, bias, torch.get_num_threads())
+            kernel = self.backend.library.linear_gguf_a8 if self.activations == "int8" else self.backend.library.linear_gguf
+            return kernel(x, self.weight, self.ggml_type, bias, torch.get_num_threads())
         # other dtypes, autograd, empty or mis-shaped input: F.linear on a temporary dense copy
+        # (fp32 activations also in int8 mode: autograd through the a8 rounding has no use)
         weight = self.fp32_weight().to(x.dtype)
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
@@ -110,7 +121,7 @@ class GGUFLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"type={type_name(self.ggml_type)}")
+                f"type={type_name(self.ggml_type)}, activations={self.activations}")
 
 
 class GGUFEmbedding(nn.Module):
@@ -140,8 +151,9 @@ class GGUFEmbedding(nn.Module):
 
 
 def gguf_module(module: nn.Module, blocks: torch.Tensor, ggml_type: int, bias: torch.Tensor | None,
-                backend: CppSkinnyLinear) -> nn.Module:
-    """The GGUF counterpart of an nn.Linear or nn.Embedding of the same shape (possibly on meta)."""
+                backend: CppSkinnyLinear, activations: str = "fp32") -> nn.Module:
+    """The GGUF counterpart of an nn.Linear or nn.Embedding of the same shape (possibly on meta).
+    `activations` applies to linears (an embedding lookup has no activations to quantize)."""
     if isinstance(module, nn.Embedding):
         if bias is not None:
             raise ValueError("an embedding has no bias")
@@ -149,5 +161,5 @@ def gguf_module(module: nn.Module, blocks: torch.Tensor, ggml_type: int, bias: t
     if isinstance(module, nn.Linear):
         if blocks.shape[0] != module.out_features:
             raise ValueError(f"{type_name(ggml_type)} weight has {blocks.shape[0]} rows, the layer {module.out_features} outputs")
-        return GGUFLinear(blocks, ggml_type, module.in_features, bias, backend)
+        return GGUFLinear(blocks, ggml_type, module.in_features, bias, backend, activations)
     raise TypeError(f"only nn.Linear and nn.Embedding can hold GGUF blocks, not {type(module).__name__}")

@@ -51,6 +51,10 @@ ENV_SPIN_US = "SPECDEC_KERNEL_SPIN_US"
 ENV_ISA = "SPECDEC_KERNEL_ISA"
 NO_COMPILER = ("none", "0", "off", "false")
 ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx2", "-mfma"), "avx2": ("-mavx2", "-mfma")}
+# AVX-512 CPUs with VNNI: the int8-activation (gguf-a8) dot products use vpdpbusd (same results as
+# the AVX2 maddubs sequence, fewer instructions)
+VNNI_FLAGS = ("-mavx512vnni", "-mavx512vl", "-mavx512bw")
+VNNI_CPU_FLAGS = {"avx512_vnni", "avx512vl", "avx512bw"}
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-math-errno")
 DEFAULT_SPIN_US = 50
 _FP32 = torch.float32
@@ -65,13 +69,25 @@ def kernel_cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
-def cpu_isa() -> str | None:
-    """The widest instruction set the kernel supports on this CPU ("avx512", "avx2") or None."""
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo), empty when unknown."""
     try:
         flags_line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
+        return set()
+    return set(flags_line.split(":", 1)[1].split())
+
+
+def isa_build_flags(isa: str) -> tuple[str, ...]:
+    """Compiler flags for the `isa` build; the AVX-512 build adds VNNI where this CPU has it."""
+    return ISA_FLAGS[isa] + (VNNI_FLAGS if isa == "avx512" and VNNI_CPU_FLAGS <= cpu_flags() else ())
+
+
+def cpu_isa() -> str | None:
+    """The widest instruction set the kernel supports on this CPU ("avx512", "avx2") or None."""
+    flags = cpu_flags()
+    if not flags:
         return None
-    flags = set(flags_line.split(":", 1)[1].split())
     if {"avx512f", "avx2", "fma"} <= flags:
         return "avx512"
     if {"avx2", "fma"} <= flags:
@@ -121,6 +137,14 @@ class SkinnyGemmLibrary:
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,  # blocks, N, ggml type, bias
             ctypes.c_void_p, ctypes.c_int,  # y, threads
         ]  # fmt: skip
+        lib.sg_linear_gguf_a8.restype = ctypes.c_int
+        lib.sg_linear_gguf_a8.argtypes = lib.sg_linear_gguf.argtypes
+        lib.sg_a8_row_bytes.restype = ctypes.c_int64
+        lib.sg_a8_row_bytes.argtypes = [ctypes.c_int64]
+        lib.sg_quantize_a8.restype = ctypes.c_int
+        lib.sg_quantize_a8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+        lib.sg_a8_block.argtypes = [ctypes.c_int]
+        lib.sg_a8_vnni.restype = ctypes.c_int
         lib.sg_dequantize_rows.restype = ctypes.c_int
         lib.sg_dequantize_rows.argtypes = [
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,  # blocks, K, ggml type
@@ -191,6 +215,45 @@ class SkinnyGemmLibrary:
             raise RuntimeError(f"GGUF kernel rejected x {tuple(x.shape)}, blocks {tuple(blocks.shape)} of type {ggml_type}")
         return out
 
+    def linear_gguf_a8(
+        self, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, bias: torch.Tensor | None, num_threads: int
+    ) -> torch.Tensor:
+        """As linear_gguf with x quantized to int8 per block of 32 (`quantize_a8`) and integer dot
+        products: the int8-activation mode, lossy vs fp32 activations, batch invariant."""
+        in_features = x.shape[-1]
+        out = torch.empty(x.shape[:-1] + (blocks.shape[0],), dtype=torch.float32)  # [..., N]
+        status = self._lib.sg_linear_gguf_a8(
+            x.data_ptr(), x.numel() // in_features, in_features, blocks.data_ptr(), blocks.shape[0], ggml_type,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), num_threads,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"GGUF a8 kernel rejected x {tuple(x.shape)}, blocks {tuple(blocks.shape)} of type {ggml_type}")
+        return out
+
+    @property
+    def a8_vnni(self) -> bool:
+        """Whether the int8-activation dot products use VNNI here (results are the same either way)."""
+        return bool(self._lib.sg_a8_vnni())
+
+    def a8_block(self, ggml_type: int) -> int:
+        """Activation block of the int8 mode for weights of `ggml_type`: 32 (Q4_0 ... Q8_0, as
+        llama.cpp's q8_0) or 256 (K-quants, as q8_K); 0 for a type the kernel does not know."""
+        return int(self._lib.sg_a8_block(int(ggml_type)))
+
+    def quantize_a8(self, x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] fp32 (K a multiple of `block`, 32 or 256) -> the a8 kernel's activation
+        blocks: q [M, K] int8 and d [M, K / block] fp32, x ~ q * d per block."""
+        x = x.detach().to(torch.float32).contiguous()
+        rows, in_features = x.shape
+        row_bytes = int(self._lib.sg_a8_row_bytes(in_features))
+        if row_bytes == 0 or block not in (32, 256) or in_features % block:
+            raise ValueError(f"int8 activation blocks of {block} (32 or 256) need K a multiple of it, got {in_features}")
+        out = torch.empty((rows, row_bytes), dtype=torch.uint8)  # [M, K + 10 K / 32]
+        if self._lib.sg_quantize_a8(x.data_ptr(), rows, in_features, block, out.data_ptr()) != 0:
+            raise RuntimeError(f"cannot quantize x {tuple(x.shape)}")
+        scales = out[:, in_features : in_features + 4 * (in_features // 32)].contiguous().view(torch.float32)  # [M, K / 32]
+        return out[:, :in_features].contiguous().view(torch.int8), scales[:, : in_features // block]
+
     def dequantize_rows(self, blocks: torch.Tensor, ggml_type: int, in_features: int, rows: torch.Tensor) -> torch.Tensor:
         """rows [...] int64 (checked in range by the caller) -> dequantized weight rows [..., K] fp32."""
         rows = rows.contiguous()
@@ -241,7 +304,7 @@ def load_library(
 
 def _build(cxx: str, isa: str, cache_dir: Path) -> Path:
     """Compile to <cache>/skinny_gemm-<isa>-<hash>.so unless it is already there (atomic rename)."""
-    flags = (*COMMON_FLAGS, *ISA_FLAGS[isa])
+    flags = (*COMMON_FLAGS, *isa_build_flags(isa))
     source = SOURCE_PATH.read_bytes()
     compiler_stamp = f"{cxx}:{os.stat(cxx).st_mtime_ns}"
     digest = hashlib.sha256(source + " ".join(flags).encode() + compiler_stamp.encode()).hexdigest()[:16]

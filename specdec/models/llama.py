@@ -248,7 +248,7 @@ class NativeTarget(Target):
         attn = model.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.linear_backend = "torch"  # set by load_native when a kernel is swapped in
-        self.weights = "fp32"  # "gguf" when load_native kept GGUF blocks; "fp32": dense `dtype` weights
+        self.weights = "fp32"  # "gguf" / "gguf-a8" when load_native kept GGUF blocks; "fp32": dense `dtype` weights
 
     def new_cache(self, batch_size: int = 1, max_len: int = 2048, num_layers: int | None = None,
                   max_tokens: int | None = None) -> KVCache:
@@ -262,7 +262,9 @@ class NativeTarget(Target):
         return self.model(tokens, positions, cache, attn_mask, hidden_layers, layer_ids, token_valid=token_valid)
 
 
-WEIGHT_FORMATS = ("gguf", "fp32")
+WEIGHT_FORMATS = ("gguf", "gguf-a8", "fp32")
+# GGUFLinear activations per block-keeping weight format
+BLOCK_ACTIVATIONS = {"gguf": "fp32", "gguf-a8": "int8"}
 
 
 def load_native(
@@ -277,10 +279,14 @@ def load_native(
       "gguf"  the blocks stay as stored and run in the kernel (`GGUFLinear`, `GGUFEmbedding`):
               float32 activations, ~1/6 of the bytes of fp32 weights; the default when the kernel
               is available;
+      "gguf-a8" the same blocks with activations quantized to int8 per block of 32 and integer
+              dot products (llama.cpp's W4A8 / W8A8 scheme): cheaper multi-token forwards, LOSSY
+              vs "gguf"/"fp32" (a different model; speculation is exact w.r.t. it). The token
+              embedding lookup is unchanged;
       "fp32"  the blocks are dequantized at load (gguf's own `dequantize`) into dense `dtype`
               weights: the model the all-fp32 cache used to hold. With the kernel, both give
               bitwise the same logits (the kernel computes gguf's per-weight expression).
-    A dir without blocks (an HF checkpoint) has dense weights only; "gguf" is an error there.
+    A dir without blocks (an HF checkpoint) has dense weights only; "gguf"/"gguf-a8" are errors there.
     """
     from ..kernels import dequantize_blocks, fast_linear_modules, make_backend
     from .gguf import read_block_types
@@ -307,13 +313,14 @@ def load_native(
     if getattr(cfg, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     state = {key: tensor.to(torch_dtype) for key, tensor in state.items()}
-    loaded_as_blocks = _swap_in_gguf_modules(model, blocks, block_types, state, backend.backend)
+    activations = BLOCK_ACTIVATIONS.get(weights, "fp32")
+    loaded_as_blocks = _swap_in_gguf_modules(model, blocks, block_types, state, backend.backend, activations)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings) and m not in loaded_as_blocks]
     if missing or unexpected:
         raise ValueError(f"checkpoint in {model_dir} does not fit {cfg.model_type}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if getattr(cfg, "tie_word_embeddings", False):
-        _tie_lm_head(model, backend.backend)
+        _tie_lm_head(model, backend.backend, activations)
     inv_freq, model.attention_scaling = rope_inv_freq(cfg)
     model.inv_freq = inv_freq
     linear_info = fast_linear_modules(model, backend=backend.backend.name)  # the dense projections, if any
@@ -331,23 +338,24 @@ def load_native(
 
 
 def _weight_format(requested: str | None, has_blocks: bool, dtype: torch.dtype, backend, model_dir: Path) -> str:
-    """"gguf" or "fp32" for this load (see load_native); clear errors for impossible requests."""
+    """"gguf", "gguf-a8" or "fp32" for this load (see load_native); clear errors for impossible requests."""
     if requested is not None and requested not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {requested!r}")
     kernel_ready = backend.backend.name == "cpp"
-    if requested == "gguf":
+    if requested in BLOCK_ACTIVATIONS:
         if not has_blocks:
-            raise ValueError(f"weights='gguf': {model_dir} holds no GGUF blocks (dense weights only); use weights='fp32'")
+            raise ValueError(f"weights={requested!r}: {model_dir} holds no GGUF blocks (dense weights only); use weights='fp32'")
         if dtype != torch.float32:
-            raise ValueError(f"weights='gguf' runs float32 activations, not {dtype}; use weights='fp32' for dense {dtype} weights")
+            raise ValueError(f"weights={requested!r} runs float32 activations, not {dtype}; use weights='fp32' for dense {dtype} weights")
         if not kernel_ready:
-            raise ValueError(f"weights='gguf' needs the compiled kernel, which is off here ({backend.reason}); use weights='fp32'")
+            raise ValueError(f"weights={requested!r} needs the compiled kernel, which is off here ({backend.reason}); use weights='fp32'")
     if requested is None:  # as stored when it can run that way, else dense
         return "gguf" if has_blocks and dtype == torch.float32 and kernel_ready else "fp32"
     return requested
 
 
-def _swap_in_gguf_modules(model: LlamaModel, blocks: dict, block_types: dict, state: dict, backend) -> set[str]:
+def _swap_in_gguf_modules(model: LlamaModel, blocks: dict, block_types: dict, state: dict, backend,
+                          activations: str = "fp32") -> set[str]:
     """Replace each module whose weight is GGUF blocks by its GGUFLinear / GGUFEmbedding (its
     bias, if any, moves out of `state` into the new module); returns the parameter names filled."""
     from ..kernels import gguf_module
@@ -358,18 +366,18 @@ def _swap_in_gguf_modules(model: LlamaModel, blocks: dict, block_types: dict, st
         parent_name, _, child_name = module_name.rpartition(".")
         parent = model.get_submodule(parent_name)
         bias = state.pop(f"{module_name}.bias", None)
-        module = gguf_module(getattr(parent, child_name), tensor, block_types[key], bias, backend)
+        module = gguf_module(getattr(parent, child_name), tensor, block_types[key], bias, backend, activations)
         setattr(parent, child_name, module)
         filled.update(f"{module_name}.{param}" for param, _ in module.named_parameters())
     return filled
 
 
-def _tie_lm_head(model: LlamaModel, backend) -> None:
+def _tie_lm_head(model: LlamaModel, backend, activations: str = "fp32") -> None:
     """lm_head reads the embedding matrix itself (same Parameter; as GGUF blocks when it is)."""
     from ..kernels import GGUFEmbedding, GGUFLinear
 
     embed = model.model.embed_tokens
     if isinstance(embed, GGUFEmbedding):
-        model.lm_head = GGUFLinear(embed.weight, embed.ggml_type, embed.embedding_dim, None, backend)
+        model.lm_head = GGUFLinear(embed.weight, embed.ggml_type, embed.embedding_dim, None, backend, activations)
     else:
         model.lm_head.weight = embed.weight

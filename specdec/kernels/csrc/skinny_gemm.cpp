@@ -101,6 +101,7 @@ constexpr int kMaxRowsPerTile = SG_MR;  // MR: rows of x per micro-tile
 constexpr int kColsPerTile = SG_NR;     // NR: rows of w (output columns) per micro-tile
 constexpr int64_t kPrefetchTiles = 2;   // software prefetch distance, in tiles (1, 2, 4, 8 measured)
 constexpr int64_t kKChunk = 512;        // K elements per step when row blocks interleave (multiple of V and of 64)
+constexpr int kSavedFloats = 16;        // floats parked per accumulator between K ranges (>= V; a8: 8 + 1)
 
 // ---------------------------------------------------------------- weight formats
 // A weight row is a sequence of blocks; a format says how one block becomes V-wide fp32 vectors:
@@ -168,6 +169,30 @@ inline vec u8_with_high_bits_minus_16(__m128i low, uint32_t bits) {
 }
 #endif
 
+// ---- int8-activation (a8) helpers: 32 weights of a sub-block as 32 int8 lanes of a ymm.
+// These use 256-bit integer ops only, in both builds, so a8 results are bitwise the same for the
+// AVX2 and the AVX-512 build (integer dot products are exact; the float steps are identical).
+inline __m256i low_nibbles32(__m256i b) { return _mm256_and_si256(b, _mm256_set1_epi8(0x0f)); }
+inline __m256i high_nibbles32(__m256i b) { return _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(0x0f)); }
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline __m256i nibbles32(const uint8_t* p, bool high) {  // 32 bytes -> their low or high nibbles
+  return high ? high_nibbles32(load32(p)) : low_nibbles32(load32(p));
+}
+inline __m256i split_nibbles32(const uint8_t* p) {  // 16 bytes -> 16 low nibbles, then 16 high nibbles
+  const __m128i b = _mm_loadu_si128((const __m128i*)p);
+  return _mm256_set_m128i(high_nibbles(b), low_nibbles(b));
+}
+inline __m256i bit_field32(__m256i b, int shift, int mask) {  // (b >> shift) & mask per byte
+  return _mm256_and_si256(_mm256_srl_epi16(b, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8((char)mask));
+}
+inline __m256i bits_to_bytes32(uint32_t bits) {  // byte j = 0xff where bit j is set, else 0
+  const __m256i byte_of_bit = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                               2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit_in_byte = _mm256_set1_epi64x(0x8040201008040201LL);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), byte_of_bit);  // per 128-bit lane: all 4 bytes there
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit_in_byte), bit_in_byte);
+}
+
 struct NoScales {};
 
 struct F32Format {  // nn.Linear weights as they are
@@ -205,6 +230,12 @@ struct Q4_0Format {  // d fp16, qs[16]: weight j < 16 = low nibble of qs[j], j >
     const __m128i q = _mm_sub_epi8(nibbles(load_bytes(b + 2 + e % 16), e >= 16), _mm_set1_epi8(8));
     return vmul(vset1(s.d), i8_to_vec(q));
   }
+  // a8: signed quants (dot with |q| and sign-moved activations), one scale per 32, no min term
+  static constexpr int kA8Block = 32;
+  static constexpr bool kSigned = true, kHasMin = false;
+  static __m256i quants32(const uint8_t* b, int) { return _mm256_sub_epi8(split_nibbles32(b + 2), _mm256_set1_epi8(8)); }
+  static __m256 a8_scale(const Scales& s, int) { return _mm256_set1_ps(s.d); }
+  static float a8_min(const Scales&, int) { return 0.0f; }
 };
 
 struct Q4_1Format {  // d fp16, m fp16, qs[16] as Q4_0
@@ -215,6 +246,12 @@ struct Q4_1Format {  // d fp16, m fp16, qs[16] as Q4_0
   static vec load(const uint8_t* b, const Scales& s, int e) {  // (d * q) + m
     return vadd(vmul(vset1(s.d), u8_to_vec(nibbles(load_bytes(b + 4 + e % 16), e >= 16))), vset1(s.m));
   }
+  // a8: d * sum(q * a) + m * sum(a)
+  static constexpr int kA8Block = 32;
+  static constexpr bool kSigned = false, kHasMin = true;
+  static __m256i quants32(const uint8_t* b, int) { return split_nibbles32(b + 4); }
+  static __m256 a8_scale(const Scales& s, int) { return _mm256_set1_ps(s.d); }
+  static float a8_min(const Scales& s, int) { return s.m; }
 };
 
 struct Q5_0Format {  // d fp16, qh u32 (bit j = 5th bit of weight j), qs[16] as Q4_0
@@ -228,6 +265,16 @@ struct Q5_0Format {  // d fp16, qh u32 (bit j = 5th bit of weight j), qs[16] as 
     const uint32_t bits = (qh >> e) & ((1u << V) - 1u);
     return vmul(vset1(s.d), u8_with_high_bits_minus_16(nibbles(load_bytes(b + 6 + e % 16), e >= 16), bits));
   }
+  static constexpr int kA8Block = 32;
+  static constexpr bool kSigned = true, kHasMin = false;
+  static __m256i quants32(const uint8_t* b, int) {  // (nibble | 16 * bit j of qh) - 16
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    const __m256i high = _mm256_and_si256(bits_to_bytes32(qh), _mm256_set1_epi8(16));
+    return _mm256_sub_epi8(_mm256_or_si256(split_nibbles32(b + 6), high), _mm256_set1_epi8(16));
+  }
+  static __m256 a8_scale(const Scales& s, int) { return _mm256_set1_ps(s.d); }
+  static float a8_min(const Scales&, int) { return 0.0f; }
 };
 
 struct Q8_0Format {  // d fp16, qs int8[32]
@@ -236,20 +283,43 @@ struct Q8_0Format {  // d fp16, qs int8[32]
   using Scales = Scale1;
   static void prepare(const uint8_t* b, Scales& s) { s.d = fp16_to_fp32(b); }
   static vec load(const uint8_t* b, const Scales& s, int e) { return vmul(i8_to_vec(load_bytes(b + 2 + e)), vset1(s.d)); }
+  static constexpr int kA8Block = 32;
+  static constexpr bool kSigned = true, kHasMin = false;
+  static __m256i quants32(const uint8_t* b, int) { return load32(b + 2); }
+  static __m256 a8_scale(const Scales& s, int) { return _mm256_set1_ps(s.d); }
+  static float a8_min(const Scales&, int) { return 0.0f; }
 };
 
 // Q4_K / Q5_K: 256 weights in 8 sub-blocks of 32, each with a 6-bit scale and min packed in 12 bytes.
 struct SubBlockScales { float d[8], dm[8]; };  // d * sc and dmin * m per sub-block
 
+inline void k_quant_6bit(const uint8_t* q, int16_t sc[8], int16_t m[8]) {
+  // bytes 0-3: low 6 bits of sc 0-3; 4-7: of m 0-3; 8-11: low 4 bits of sc/m 4-7 (high 2 bits in 0-7)
+  for (int i = 0; i < 4; ++i) {
+    sc[i] = q[i] & 0x3f;
+    m[i] = q[4 + i] & 0x3f;
+    sc[4 + i] = (q[8 + i] & 0x0f) | ((q[i] >> 2) & 0x30);
+    m[4 + i] = (q[8 + i] >> 4) | ((q[4 + i] >> 2) & 0x30);
+  }
+}
+
 inline void k_quant_scales(const uint8_t* b, SubBlockScales& s) {
   const float d = fp16_to_fp32(b), dmin = fp16_to_fp32(b + 2);
-  const uint8_t* q = b + 4;  // bytes 0-3: low 6 bits of sc 0-3; 4-7: of m 0-3; 8-11: low 4 bits of sc/m 4-7
-  for (int i = 0; i < 4; ++i) {
-    s.d[i] = d * (float)(q[i] & 0x3f);
-    s.dm[i] = dmin * (float)(q[4 + i] & 0x3f);
-    s.d[4 + i] = d * (float)((q[8 + i] & 0x0f) | ((q[i] >> 2) & 0x30));
-    s.dm[4 + i] = dmin * (float)((q[8 + i] >> 4) | ((q[4 + i] >> 2) & 0x30));
-  }
+  int16_t sc[8], m[8];
+  k_quant_6bit(b + 4, sc, m);
+  for (int i = 0; i < 8; ++i) s.d[i] = d * (float)sc[i], s.dm[i] = dmin * (float)m[i];
+}
+
+// a8 mode, K-quants: the integer sub-block scales multiply the integer dot products (exact), the
+// fp16 super-block scales come once per 256 weights (activations quantized per 256, as q8_K).
+struct KQuantA8Scales {
+  float d, dmin;
+  alignas(16) int16_t sc[16];  // per 32 weights (Q4_K, Q5_K: first 8) or per 16 (Q6_K)
+  alignas(16) int16_t m[8];    // per 32 weights (Q4_K, Q5_K)
+};
+inline void k_quant_a8_scales(const uint8_t* b, KQuantA8Scales& s) {
+  s.d = fp16_to_fp32(b), s.dmin = fp16_to_fp32(b + 2);
+  k_quant_6bit(b + 4, s.sc, s.m);
 }
 
 struct Q4_KFormat {  // d, dmin fp16, scales[12], qs[128]: sub-block 2i / 2i+1 = low / high nibbles of qs[32i..32i+31]
@@ -262,6 +332,13 @@ struct Q4_KFormat {  // d, dmin fp16, scales[12], qs[128]: sub-block 2i / 2i+1 =
     const __m128i q = nibbles(load_bytes(b + 16 + 32 * (sub / 2) + e % 32), sub % 2);
     return vsub(vmul(vset1(s.d[sub]), u8_to_vec(q)), vset1(s.dm[sub]));
   }
+  // a8 per super-block: d * sum_sub(sc * sum(q * a)) * dx - dmin * sum_sub(m * sum(a)) * dx
+  static constexpr int kA8Block = 256;
+  static constexpr bool kSigned = false, kHasMin = true;
+  using A8Scales = KQuantA8Scales;
+  static void prepare_a8(const uint8_t* b, A8Scales& s) { k_quant_a8_scales(b, s); }
+  static __m256i quants32(const uint8_t* b, int sub) { return nibbles32(b + 16 + 32 * (sub / 2), sub % 2); }
+  static __m256i a8_scale16(const A8Scales& s, int sub) { return _mm256_set1_epi16(s.sc[sub]); }
 };
 
 struct Q5_KFormat {  // d, dmin, scales[12], qh[32] (bit s of qh[j] = 5th bit of weight j of sub-block s), qs[128]
@@ -275,6 +352,15 @@ struct Q5_KFormat {  // d, dmin, scales[12], qh[32] (bit s of qh[j] = 5th bit of
     const __m128i high = _mm_slli_epi16(bit_field(load_bytes(b + 16 + e % 32), sub, 1), 4);
     return vsub(vmul(vset1(s.d[sub]), u8_to_vec(_mm_or_si128(low, high))), vset1(s.dm[sub]));
   }
+  static constexpr int kA8Block = 256;
+  static constexpr bool kSigned = false, kHasMin = true;
+  using A8Scales = KQuantA8Scales;
+  static void prepare_a8(const uint8_t* b, A8Scales& s) { k_quant_a8_scales(b, s); }
+  static __m256i quants32(const uint8_t* b, int sub) {
+    const __m256i high = _mm256_slli_epi16(bit_field32(load32(b + 16), sub, 1), 4);
+    return _mm256_or_si256(nibbles32(b + 48 + 32 * (sub / 2), sub % 2), high);
+  }
+  static __m256i a8_scale16(const A8Scales& s, int sub) { return _mm256_set1_epi16(s.sc[sub]); }
 };
 
 struct Q6_KFormat {  // ql[128], qh[64], scales int8[16] (one per 16 weights), d fp16
@@ -293,6 +379,23 @@ struct Q6_KFormat {  // ql[128], qh[64], scales int8[16] (one per 16 weights), d
     const __m128i q = _mm_sub_epi8(_mm_or_si128(low, high), _mm_set1_epi8(32));
     return vmul(vset1(s.d[e / 16]), i8_to_vec(q));
   }
+  // a8: sub-block `sub` = weights 32 sub .. + 31 (h = sub / 4, r = 32 (sub % 4)); an int8 scale per 16
+  static constexpr int kA8Block = 256;
+  static constexpr bool kSigned = true, kHasMin = false;
+  using A8Scales = KQuantA8Scales;
+  static void prepare_a8(const uint8_t* b, A8Scales& s) {
+    s.d = fp16_to_fp32(b + 208);
+    for (int i = 0; i < 16; ++i) s.sc[i] = (int8_t)b[192 + i];
+  }
+  static __m256i a8_scale16(const A8Scales& s, int sub) {  // int16 lanes 0-7 = bytes 0-15, 8-15 = bytes 16-31
+    return _mm256_set_m128i(_mm_set1_epi16(s.sc[2 * sub + 1]), _mm_set1_epi16(s.sc[2 * sub]));
+  }
+  static __m256i quants32(const uint8_t* b, int sub) {
+    const int h = sub / 4, quarter = sub % 4;
+    const __m256i low = nibbles32(b + 64 * h + 32 * (quarter % 2), quarter >= 2);
+    const __m256i high = _mm256_slli_epi16(bit_field32(load32(b + 128 + 32 * h), 2 * quarter, 3), 4);
+    return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+  }
 };
 
 // What one micro-tile call works on: MR rows of x times NR rows of w, over K range [k_begin, k_end).
@@ -309,6 +412,8 @@ struct TileArgs {
   int64_t ldy;
   const uint8_t* prefetch;  // see below, or null
   int64_t pf_phase, pf_stride;
+  const uint8_t* xq;    // a8 mode: first quantized activation row of the block (row stride ldxq bytes)
+  int64_t ldxq;
 };
 
 // One MR x NR block of outputs, each a full-K dot product with its own accumulator:
@@ -325,7 +430,7 @@ void micro_tile(const TileArgs& a) {
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
-    for (int c = 0; c < NR; ++c) acc[r][c] = a.k_begin == 0 ? vzero() : vload(a.saved + (r * NR + c) * V);
+    for (int c = 0; c < NR; ++c) acc[r][c] = a.k_begin == 0 ? vzero() : vload(a.saved + (r * NR + c) * kSavedFloats);
   const int64_t k_full = Fmt::kTail ? a.K - a.K % V : a.K;
   const int64_t loop_end = std::min(a.k_end, k_full);
   constexpr int64_t kLine = 64;            // bytes per cache line
@@ -361,7 +466,7 @@ void micro_tile(const TileArgs& a) {
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
-      for (int c = 0; c < NR; ++c) vstore(a.saved + (r * NR + c) * V, acc[r][c]);
+      for (int c = 0; c < NR; ++c) vstore(a.saved + (r * NR + c) * kSavedFloats, acc[r][c]);
     return;
   }
   if constexpr (Fmt::kTail) {
@@ -390,19 +495,220 @@ void micro_tile(const TileArgs& a) {
     }
 }
 
+// ---------------------------------------------------------------- int8 activations (a8 mode)
+// x is quantized to int8 per activation block with an fp32 scale, as llama.cpp does: blocks of 32
+// for the 32-weight formats (q8_0), of 256 for the K-quants (q8_K):
+//     d = amax / 127,  q = round_half_even(x * (127 / amax)).
+// One activation row is, in bytes (K / 32 slots per table; K-quants use the first K / 256 d):
+//     q int8[K] | d float[K / 32] | ds float[K / 32] | bsum int16[K / 32]
+// with bsum = the sum of q over each 32 and ds = d * bsum (the min formats' terms).
+// 32-weight formats, per block: acc = fma(int32 lanes -> fp32, weight scale * d, acc).
+// K-quants: the 6-bit / int8 sub-block scales multiply the exact integer dot products, so each
+// 256 weights cost one fp32 update: acc = fma(int32 lanes -> fp32, d_w * d, acc) (+ the min term
+// from bsum in integers). Then y = hsum(acc) + mins [+ bias]. Every output is one fixed
+// instruction sequence: bitwise batch invariant, and (256-bit integer ops in both builds) the
+// same bits on AVX2 and AVX-512 CPUs.
+constexpr int kA8Sub = 32;
+inline int64_t a8_row_bytes(int64_t K) { return K + (K / kA8Sub) * (int64_t)(2 * sizeof(float) + sizeof(int16_t)); }
+
+struct A8Row {  // views into one quantized activation row
+  const uint8_t* q;
+  const float* d;
+  const float* ds;
+  const int16_t* bsum;
+  A8Row(const uint8_t* row, int64_t K)
+      : q(row), d((const float*)(row + K)), ds(d + K / kA8Sub), bsum((const int16_t*)(ds + K / kA8Sub)) {}
+};
+
+inline float hmax256(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// x [K] -> one activation row (see above), blocks of `block` (32 or 256) weights.
+void quantize_a8_row(const float* x, int64_t K, int block, uint8_t* out) {
+  int8_t* q = (int8_t*)out;
+  float* d = (float*)(out + K);
+  float* ds = d + K / kA8Sub;
+  int16_t* bsum = (int16_t*)(ds + K / kA8Sub);
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < K / block; ++b) {
+    const float* xb = x + block * b;
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < block; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(xb + i)));
+    const float max_abs = hmax256(amax);
+    float inverse = 127.0f / max_abs;
+    if (!(inverse <= 3.4028234e38f)) inverse = 0.0f;  // all zero (or subnormal / NaN): q = 0
+    const float scale = max_abs / 127.0f;
+    d[b] = scale;
+    for (int s = 0; s < block / kA8Sub; ++s) {
+      __m256i qi[4];
+      for (int i = 0; i < 4; ++i)  // round half to even (the default rounding mode)
+        qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + kA8Sub * s + 8 * i), _mm256_set1_ps(inverse)));
+      // int32 -> int8 (|q| <= 127): the packs interleave 128-bit lanes, the permute restores order
+      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+      _mm256_storeu_si256((__m256i*)(q + block * b + kA8Sub * s),
+                          _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      const int32_t sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
+      const int64_t j = (block * b) / kA8Sub + s;
+      bsum[j] = (int16_t)sum;  // |sum| <= 32 * 127
+      ds[j] = scale * (float)sum;
+    }
+  }
+}
+
+// 8 int32 lanes, lane i = sum of u[4i..4i+3] * s[4i..4i+3] (u unsigned, s signed bytes), exact:
+// the maddubs int16 pairs cannot saturate (|u| <= 128 sign-moved or <= 31 unsigned, |s| <= 127).
+inline __m256i dot_u8_i8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+// acc + the int16 pair products of (u . s per byte pair) and scale16 (K-quant sub-block scales), exact.
+inline __m256i dot_u8_i8_scaled(__m256i acc, __m256i u, __m256i s, __m256i scale16) {
+  const __m256i pairs = _mm256_maddubs_epi16(u, s);  // |pair| <= 2 * 32 * 127 (Q6_K) or 2 * 31 * 127
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, pairs, scale16);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scale16));
+#endif
+}
+
+// The accumulators live in a.saved (8 lanes + the min sum per output): the K-quant path touches
+// them once per 256 weights, and keeping them out of registers leaves room for the integer sums.
+template <typename Fmt, int MR, int NR>
+void a8_tile(const TileArgs& a) {
+  float* const saved = a.saved;  // [MR * NR][kSavedFloats]: acc lanes 0-7, mins at 8
+  if (a.k_begin == 0) {
+#pragma GCC unroll 8
+    for (int i = 0; i < MR * NR; ++i) _mm256_storeu_ps(saved + i * kSavedFloats, _mm256_setzero_ps()), saved[i * kSavedFloats + 8] = 0.0f;
+  }
+  constexpr int kSubs = Fmt::kBlock / kA8Sub;
+  constexpr int64_t kLine = 64;
+  int64_t next_prefetch = INT64_MAX;
+  if (a.prefetch) {
+    const int64_t line = a.k_begin / Fmt::kBlock * Fmt::kBytes / kLine;
+    next_prefetch = (line + ((a.pf_phase - line % a.pf_stride) % a.pf_stride + a.pf_stride) % a.pf_stride) * kLine;
+  }
+  for (int64_t kb = a.k_begin; kb < a.k_end; kb += Fmt::kBlock) {
+    const int64_t offset = kb / Fmt::kBlock * Fmt::kBytes;
+    while (next_prefetch < offset + Fmt::kBytes) {
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) _mm_prefetch((const char*)(a.prefetch + c * a.ldw + next_prefetch), _MM_HINT_T1);
+      next_prefetch += a.pf_stride * kLine;
+    }
+    if constexpr (Fmt::kA8Block == kA8Sub) {  // a float scale per 32 weights and per 32 activations
+      typename Fmt::Scales scales[NR];
+      __m256i wq[NR], wsign[NR];  // |q| for signed formats (the sign moves onto the activations)
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) {
+        Fmt::prepare(a.w + c * a.ldw + offset, scales[c]);
+        wsign[c] = Fmt::quants32(a.w + c * a.ldw + offset, 0);
+        wq[c] = Fmt::kSigned ? _mm256_sign_epi8(wsign[c], wsign[c]) : wsign[c];
+      }
+      const int64_t ab = kb / kA8Sub;
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const A8Row row(a.xq + r * a.ldxq, a.K);
+        const __m256i xv = load32(row.q + kb);
+        const __m256 dx = _mm256_set1_ps(row.d[ab]);
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; ++c) {
+          float* acc = saved + (r * NR + c) * kSavedFloats;
+          const __m256i dot = dot_u8_i8(wq[c], Fmt::kSigned ? _mm256_sign_epi8(xv, wsign[c]) : xv);
+          _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(Fmt::a8_scale(scales[c], 0), dx),
+                                                _mm256_loadu_ps(acc)));
+          if constexpr (Fmt::kHasMin) acc[8] = acc[8] + Fmt::a8_min(scales[c], 0) * row.ds[ab];
+        }
+      }
+    } else {  // K-quants: integer sub-block scales, one fp32 update per 256
+      typename Fmt::A8Scales scales[NR];
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) Fmt::prepare_a8(a.w + c * a.ldw + offset, scales[c]);
+      __m256i isum[MR][NR];
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; ++c) isum[r][c] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int sub = 0; sub < kSubs; ++sub) {
+        __m256i wq[NR], wsign[NR], scale16[NR];
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; ++c) {
+          wsign[c] = Fmt::quants32(a.w + c * a.ldw + offset, sub);
+          wq[c] = Fmt::kSigned ? _mm256_sign_epi8(wsign[c], wsign[c]) : wsign[c];
+          scale16[c] = Fmt::a8_scale16(scales[c], sub);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          const __m256i xv = load32(a.xq + r * a.ldxq + kb + kA8Sub * sub);
+#pragma GCC unroll 8
+          for (int c = 0; c < NR; ++c)
+            isum[r][c] = dot_u8_i8_scaled(isum[r][c], wq[c], Fmt::kSigned ? _mm256_sign_epi8(xv, wsign[c]) : xv, scale16[c]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const A8Row row(a.xq + r * a.ldxq, a.K);
+        const float dx = row.d[kb / Fmt::kA8Block];
+        __m128i bsum_lo;
+        if constexpr (Fmt::kHasMin) bsum_lo = _mm_loadu_si128((const __m128i*)(row.bsum + kb / kA8Sub));  // 8 x int16
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; ++c) {
+          float* acc = saved + (r * NR + c) * kSavedFloats;
+          _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][c]), _mm256_set1_ps(scales[c].d * dx),
+                                                _mm256_loadu_ps(acc)));
+          if constexpr (Fmt::kHasMin) {  // sum over sub-blocks of m * bsum, exact in int32
+            __m128i p = _mm_madd_epi16(_mm_load_si128((const __m128i*)scales[c].m), bsum_lo);
+            p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0x4e));
+            p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0xb1));
+            acc[8] = acc[8] - (scales[c].dmin * dx) * (float)_mm_cvtsi128_si32(p);
+          }
+        }
+      }
+    }
+  }
+  if (a.k_end < a.K) return;  // the sums stay parked in a.saved
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < NR; ++c) {
+      const float* acc = saved + (r * NR + c) * kSavedFloats;
+      float value = hsum256(_mm256_loadu_ps(acc));
+      if constexpr (Fmt::kHasMin) value += acc[8];
+      if (a.bias) value += a.bias[c];
+      a.y[r * a.ldy + c] = value;
+    }
+}
+
 using tile_fn = void (*)(const TileArgs&);
 
 // Every (rows, cols) block size from 1x1 up to MR x NR, for the edges of M and N.
-template <typename Fmt, std::size_t... I>
+// kA8: the int8-activation tiles (a8_tile) instead of the fp32-activation ones (micro_tile).
+template <typename Fmt, bool kA8, std::size_t... I>
 constexpr std::array<tile_fn, sizeof...(I)> make_tile_table(std::index_sequence<I...>) {
-  return {micro_tile<Fmt, (int)(I / kColsPerTile) + 1, (int)(I % kColsPerTile) + 1>...};
+  if constexpr (kA8) {
+    return {a8_tile<Fmt, (int)(I / kColsPerTile) + 1, (int)(I % kColsPerTile) + 1>...};
+  } else {
+    return {micro_tile<Fmt, (int)(I / kColsPerTile) + 1, (int)(I % kColsPerTile) + 1>...};
+  }
 }
-template <typename Fmt>
-constexpr auto kTileTable = make_tile_table<Fmt>(std::make_index_sequence<kMaxRowsPerTile * kColsPerTile>{});
+template <typename Fmt, bool kA8>
+constexpr auto kTileTable = make_tile_table<Fmt, kA8>(std::make_index_sequence<kMaxRowsPerTile * kColsPerTile>{});
 
-template <typename Fmt>
+template <typename Fmt, bool kA8>
 inline tile_fn pick_tile(int mr, int nr) {
-  return kTileTable<Fmt>[(mr - 1) * kColsPerTile + (nr - 1)];
+  return kTileTable<Fmt, kA8>[(mr - 1) * kColsPerTile + (nr - 1)];
 }
 
 struct LinearJob {
@@ -417,16 +723,17 @@ struct LinearJob {
   int64_t rows_per_panel;  // x rows kept hot in L2 while a w tile is reused across them
   int64_t num_tiles;       // ceil(N / NR)
   void (*run_tiles)(const LinearJob&, int64_t, int64_t);
+  const uint8_t* xq = nullptr;  // a8 mode: x quantized, M rows of a8_row_bytes(K)
 };
 
 // Output columns [tile_begin, tile_end) * NR for every row: w is streamed once per row panel.
 // With several row blocks, K is walked in kKChunk pieces with all row blocks advancing together,
 // so the weight stream and the arithmetic of every block overlap (one block after another
 // would leave memory idle while the later blocks compute).
-template <typename Fmt>
+template <typename Fmt, bool kA8 = false>
 void run_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
   const int64_t max_blocks = (std::min(job.rows_per_panel, job.M) + kMaxRowsPerTile - 1) / kMaxRowsPerTile;
-  std::vector<float> saved((size_t)(max_blocks * kMaxRowsPerTile * kColsPerTile * V));
+  std::vector<float> saved((size_t)(max_blocks * kMaxRowsPerTile * kColsPerTile * kSavedFloats));
   for (int64_t p0 = 0; p0 < job.M; p0 += job.rows_per_panel) {
     const int64_t panel_rows = std::min(job.rows_per_panel, job.M - p0);
     const int64_t row_blocks = (panel_rows + kMaxRowsPerTile - 1) / kMaxRowsPerTile;
@@ -444,6 +751,7 @@ void run_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
       // prefetch the tile kPrefetchTiles ahead (within this thread's range) while computing this one
       args.prefetch = t + kPrefetchTiles < tile_end ? args.w + kPrefetchTiles * kColsPerTile * job.row_bytes : nullptr;
       args.pf_stride = row_blocks;
+      args.ldxq = a8_row_bytes(job.K);
       for (int64_t k0 = 0; k0 < job.K; k0 += k_chunk) {
         args.k_begin = k0;
         args.k_end = std::min(job.K, k0 + k_chunk);
@@ -451,10 +759,11 @@ void run_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
           const int64_t row = p0 + block * kMaxRowsPerTile;
           const int mr = (int)std::min<int64_t>(kMaxRowsPerTile, p0 + panel_rows - row);
           args.x = job.x + row * job.K;
+          args.xq = kA8 ? job.xq + row * args.ldxq : nullptr;
           args.y = job.y + row * job.N + j0;
-          args.saved = saved.data() + block * kMaxRowsPerTile * kColsPerTile * V;
+          args.saved = saved.data() + block * kMaxRowsPerTile * kColsPerTile * kSavedFloats;
           args.pf_phase = block;
-          pick_tile<Fmt>(mr, nr)(args);
+          pick_tile<Fmt, kA8>(mr, nr)(args);
         }
       }
     }
@@ -479,10 +788,12 @@ struct BlockFormat {
   int block, bytes;
   void (*run_tiles)(const LinearJob&, int64_t, int64_t);
   void (*dequantize_row)(const uint8_t*, int64_t, float*);
+  void (*run_tiles_a8)(const LinearJob&, int64_t, int64_t);  // int8 activations
+  int a8_block;  // activation block of the a8 mode (32, or 256 for K-quants)
 };
 template <typename Fmt>
 constexpr BlockFormat block_format() {
-  return {Fmt::kBlock, Fmt::kBytes, run_tiles<Fmt>, dequantize_row<Fmt>};
+  return {Fmt::kBlock, Fmt::kBytes, run_tiles<Fmt>, dequantize_row<Fmt>, run_tiles<Fmt, true>, Fmt::kA8Block};
 }
 const BlockFormat* find_block_format(int ggml_type) {
   static const BlockFormat q4_0 = block_format<Q4_0Format>(), q4_1 = block_format<Q4_1Format>(),
@@ -690,6 +1001,48 @@ int sg_linear_gguf(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
   if (bad_shape(x, M, K, w, N, y, &status)) return status;
   LinearJob job{x, M, K, w, K / f->block * f->bytes, nullptr, N, bias, y, 0, 0, f->run_tiles};
   return run_linear(job, num_threads);
+}
+
+// int8-activation mode: y = sum over blocks of (weight scale * d) * (int8 q . weight quants)
+// (+ min terms, + bias), x quantized per block of 32 first (see quantize_a8_row). Shapes as
+// sg_linear_gguf. Batch invariant, and the same bits on AVX2 and AVX-512.
+int sg_linear_gguf_a8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int ggml_type,
+                      const float* bias, float* y, int num_threads) {
+  const BlockFormat* f = find_block_format(ggml_type);
+  if (!f || !f->run_tiles_a8 || K % f->block) return 1;
+  int status;
+  if (bad_shape(x, M, K, w, N, y, &status)) return status;
+  std::vector<uint8_t> xq((size_t)(M * a8_row_bytes(K)));  // [M, a8_row_bytes(K)]
+  for (int64_t i = 0; i < M; ++i) quantize_a8_row(x + i * K, K, f->a8_block, xq.data() + i * a8_row_bytes(K));
+  LinearJob job{x, M, K, w, K / f->block * f->bytes, nullptr, N, bias, y, 0, 0, f->run_tiles_a8};
+  job.xq = xq.data();
+  return run_linear(job, num_threads);
+}
+
+// Bytes of one quantized activation row of K (K a multiple of 32), else 0.
+int64_t sg_a8_row_bytes(int64_t K) { return K > 0 && K % kA8Sub == 0 ? a8_row_bytes(K) : 0; }
+
+// Activation block (32 or 256) the a8 kernel uses with weights of `ggml_type`, or 0.
+int sg_a8_block(int ggml_type) {
+  const BlockFormat* f = find_block_format(ggml_type);
+  return f ? f->a8_block : 0;
+}
+
+// x [M, K] fp32 -> out [M, sg_a8_row_bytes(K)]: the activation rows the a8 kernel computes on,
+// in blocks of `block` (32 or 256; K a multiple of it).
+int sg_quantize_a8(const float* x, int64_t M, int64_t K, int block, uint8_t* out) {
+  if (M < 0 || K <= 0 || (block != 32 && block != 256) || K % block || (M > 0 && (!x || !out))) return 1;
+  for (int64_t i = 0; i < M; ++i) quantize_a8_row(x + i * K, K, block, out + i * a8_row_bytes(K));
+  return 0;
+}
+
+// 1 when the integer dot products use VNNI (vpdpbusd), 0 for AVX2 maddubs; same results either way.
+int sg_a8_vnni() {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 // out[i, :] = dequantize(w[rows[i], :]) for i < n (an embedding lookup); rows must be in [0, N).

@@ -1,0 +1,220 @@
+"""The int8-activation mode (weights="gguf-a8"): GGUF block weights times activations quantized to
+int8 per block (32, or 256 for K-quants) with integer dot products. Per format the kernel equals a
+float64 reference computed from the same int8 activation blocks (tight, scale-aware tolerance);
+rows are bitwise batch and thread-count invariant; the AVX2 and AVX-512 builds give the same bits;
+speculation on SmolLM2 reproduces the a8 model's own plain greedy output."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from test_quant_kernel import QUANTIZE_SUPPORTED, quantized_blocks, random_blocks
+
+from specdec import generate, make_drafter
+from specdec.kernels import CppSkinnyLinear, GGUFEmbedding, GGUFLinear, KernelUnavailable
+from specdec.kernels.gguf_linear import KERNEL_TYPES, dequantize_blocks
+
+FLT_MAX = np.finfo(np.float32).max
+# Kernel vs float64 reference from the same int8 blocks: the integer sums are exact, so the
+# difference is fp32 rounding of a few products per block plus gguf's rounded weights (~1e-7 of
+# the sum of |terms| measured); an activation or weight decoded wrongly is off by ~1e-1 of it.
+A8_REL = 2e-6
+
+
+def isa_backend(isa: str) -> CppSkinnyLinear:
+    try:
+        return CppSkinnyLinear(isa=isa)
+    except KernelUnavailable as exc:
+        pytest.skip(f"{isa} kernel unavailable here: {exc}")
+
+
+@pytest.fixture(scope="module", params=["avx512", "avx2"])
+def backend(request):
+    """The kernel built for each instruction set this CPU can run (AVX2 also on AVX-512 CPUs)."""
+    return isa_backend(request.param)
+
+
+def block_of(name: str) -> int:
+    return GGML_QUANT_SIZES[GGMLQuantizationType[name]][0]
+
+
+def reference_quantize(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """x [M, K] fp32 -> (q [M, K] int8, d [M, K / block] fp32): d = amax / 127, q = rint(x * 127 / amax)."""
+    rows, in_features = x.shape
+    blocks = x.reshape(rows, in_features // block, block).astype(np.float32)
+    amax = np.abs(blocks).max(axis=2)  # [M, K / block]
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        inverse = np.float32(127.0) / amax
+    inverse = np.where(inverse <= FLT_MAX, inverse, np.float32(0.0)).astype(np.float32)
+    q = np.rint(blocks * inverse[..., None]).astype(np.int8)  # float32 product, half to even
+    return q.reshape(rows, in_features), (amax / np.float32(127.0)).astype(np.float32)
+
+
+def test_activation_blocks_are_bitwise_the_reference_quantization(backend):
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((5, 768)) * np.exp(rng.uniform(-8, 8, (5, 1)))).astype(np.float32)
+    x[1, 32:64] = 0.0  # an all-zero block: scale 0, q 0
+    x[2, 5] = 1e-42  # a subnormal alone in its block: 127 / amax overflows, q 0
+    x[2, 6:32] = 0.0
+    x[3, ::7] *= 40.0  # outliers
+    for block in (32, 256):
+        q, d = backend.library.quantize_a8(torch.from_numpy(x), block)
+        q_ref, d_ref = reference_quantize(x, block)
+        assert np.array_equal(q.numpy(), q_ref), f"int8 values differ (block {block})"
+        assert np.array_equal(d.numpy(), d_ref), f"block scales differ (block {block})"
+    with pytest.raises(ValueError, match="multiple"):
+        backend.library.quantize_a8(torch.zeros(2, 48), 32)
+    with pytest.raises(ValueError, match="32 or 256"):
+        backend.library.quantize_a8(torch.zeros(2, 64), 64)
+
+
+def a8_cases():
+    for name in KERNEL_TYPES:
+        block = block_of(name)
+        # odd row counts; K of one block, a few blocks, and past the kernel's 512-weight K chunk
+        for rows, blocks_per_row in ((1, 1), (37, 3), (131, 40 if block == 32 else 5)):
+            yield pytest.param(name, rows, block * blocks_per_row, id=f"{name}-{rows}x{block * blocks_per_row}")
+
+
+@pytest.mark.parametrize("name, rows, in_features", list(a8_cases()))
+def test_a8_kernel_equals_the_reference_on_the_same_int8_blocks(backend, name, rows, in_features):
+    qtype = KERNEL_TYPES[name]
+    activation_block = backend.library.a8_block(qtype)
+    assert activation_block == (256 if name.endswith("_K") else 32)
+    makers = [random_blocks] + ([quantized_blocks] if name in QUANTIZE_SUPPORTED else [])
+    for seed, make in enumerate(makers):
+        blocks = make(name, rows, in_features, seed)
+        bias = torch.randn(rows, generator=torch.Generator().manual_seed(seed)) if seed == 0 else None
+        layer = GGUFLinear(blocks, qtype, in_features, bias, backend, activations="int8")
+        x = torch.randn(7, in_features, generator=torch.Generator().manual_seed(100 + seed)) * 3.0  # [7, K]
+        out = layer(x)  # [7, N]
+        q, d = backend.library.quantize_a8(x, activation_block)
+        x_blocks = (q.double().view(7, -1, activation_block) * d.double()[..., None]).view(7, in_features)  # [7, K]
+        weight = dequantize_blocks(blocks, qtype).double()  # [N, K], gguf's own dequantization
+        expected = x_blocks @ weight.T + (0.0 if bias is None else bias.double())  # [7, N]
+        magnitude = x_blocks.abs() @ weight.abs().T + (0.0 if bias is None else bias.double().abs())
+        error = (out.double() - expected).abs()
+        assert bool((error <= A8_REL * magnitude + 1e-30).all()), (
+            f"max error {float((error / magnitude.clamp_min(1e-30)).max()):.3g} of the magnitude"
+        )
+        if rows > 1:  # fp32 activations differ by the int8 rounding: the mode is really on (a 1-row
+            # case may have a zero weight scale: then both give the bias)
+            assert not torch.equal(out, GGUFLinear(blocks, qtype, in_features, bias, backend)(x))
+
+
+@pytest.mark.parametrize("name", list(KERNEL_TYPES))
+def test_a8_rows_are_bitwise_batch_and_thread_invariant(backend, name):
+    qtype = KERNEL_TYPES[name]
+    in_features = block_of(name) * (37 if block_of(name) == 32 else 5)  # odd, past the 512 K chunk
+    blocks = random_blocks(name, 1029, in_features, seed=3)  # odd N, enough work to split across threads
+    layer = GGUFLinear(blocks, qtype, in_features, None, backend, activations="int8")
+    x = torch.randn(13, in_features)  # [13, K]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [layer(x[i : i + 1])[0] for i in range(len(x))]  # 13 x [N]
+        torch.set_num_threads(max(2, threads))
+        for num_rows in (1, 2, 3, 4, 5, 8, 9, 13):
+            out = layer(x[:num_rows])  # [k, N]
+            for i in range(num_rows):
+                assert torch.equal(out[i], alone[i]), f"row {i} of a {num_rows}-row call differs from the row alone"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", list(KERNEL_TYPES))
+def test_a8_bits_are_the_same_on_the_avx2_and_avx512_builds(name):
+    avx512, avx2 = isa_backend("avx512"), isa_backend("avx2")
+    qtype = KERNEL_TYPES[name]
+    in_features = block_of(name) * (20 if block_of(name) == 32 else 3)
+    blocks = random_blocks(name, 45, in_features, seed=7)
+    x = torch.randn(6, in_features)
+    outputs = [GGUFLinear(blocks, qtype, in_features, None, b, activations="int8")(x) for b in (avx512, avx2)]
+    assert torch.equal(*outputs)
+
+
+def test_a8_mode_errors_are_clear():
+    backend = CppSkinnyLinear()
+    blocks = random_blocks("Q8_0", 4, 64, seed=0)
+    with pytest.raises(ValueError, match="activations must be one of"):
+        GGUFLinear(blocks, KERNEL_TYPES["Q8_0"], 64, None, backend, activations="int4")
+    q2_k = int(GGMLQuantizationType.Q2_K)  # a format neither mode computes on
+    with pytest.raises(ValueError, match="does not compute on GGUF type Q2_K"):
+        GGUFLinear(torch.zeros(4, 84, dtype=torch.uint8), q2_k, 256, None, backend, activations="int8")
+
+
+# ------------------------------------------------------------------ SmolLM2 in the a8 mode
+
+PROMPTS = [
+    "Repeat this list exactly twice: apple, banana, cherry, date, elderberry, fig, grape.",
+    "def fibonacci(n):",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_a8():
+    from specdec.api import load_target
+
+    return load_target("smollm2-135m", progress=False, weights="gguf-a8")
+
+
+@pytest.mark.slow
+def test_smollm2_loads_its_blocks_with_int8_activations(smollm2_a8):
+    assert smollm2_a8.weights == "gguf-a8"
+    linears = [m for m in smollm2_a8.model.modules() if isinstance(m, GGUFLinear)]
+    assert linears and all(m.activations == "int8" for m in linears)  # lm_head (tied) included
+    assert isinstance(smollm2_a8.model.lm_head, GGUFLinear)
+    assert all(isinstance(m, GGUFEmbedding) for m in [smollm2_a8.model.model.embed_tokens])  # lookup unchanged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter_name, options", [("pld", {}), ("layer-skip", {"num_layers": 6, "gamma": 3})])
+def test_speculation_reproduces_a8_plain_greedy(smollm2_a8, drafter_name, options):
+    accepted = 0
+    for prompt in PROMPTS:
+        plain = generate(smollm2_a8, prompt, max_new_tokens=40)
+        drafter = make_drafter(drafter_name, smollm2_a8, **options)
+        speculative = generate(smollm2_a8, prompt, drafter, max_new_tokens=40)
+        assert speculative.tokens == plain.tokens, (drafter_name, prompt)
+        accepted += speculative.stats.accepted_tokens
+    assert accepted > 0  # multi-token verify forwards did run and were accepted
+
+
+@pytest.mark.slow
+def test_quality_check_scores_the_fixed_text_in_both_modes(smollm2_a8):
+    from specdec.kernels.quality import measure_quality, score_logits, set_activations
+
+    result = measure_quality(smollm2_a8)  # leaves the model in int8 mode, as it was loaded
+    assert result["tokens"] > 400
+    # int8 activation blocks move the logits a little: the same text, nearly the same predictions
+    assert result["top1_agreement"] > 0.9
+    assert abs(math.log(result["ppl_a8"] / result["ppl_exact"])) < 0.05
+    assert 0 < result["mean_kl"] < 0.05
+    ids = torch.tensor(smollm2_a8.tokenizer("def f(x):\n    return x + 1\n")["input_ids"])
+    a8 = score_logits(smollm2_a8, ids)
+    set_activations(smollm2_a8.model, "fp32")
+    try:
+        exact = score_logits(smollm2_a8, ids)
+    finally:
+        set_activations(smollm2_a8.model, "int8")
+    assert torch.equal(score_logits(smollm2_a8, ids), a8)  # switching back restores the a8 model exactly
+    assert not torch.equal(exact, a8)
+
+
+@pytest.mark.slow
+def test_llama_cpp_scores_the_same_file_close_to_the_a8_mode(smollm2_a8):
+    """The quality check's peer column: llama.cpp's logits for the same ids (optional extra)."""
+    from specdec.bench.peers import LLAMA_CPP
+    from specdec.kernels.quality import QUALITY_TEXT, compare, llama_cpp_logits, score_logits
+
+    if LLAMA_CPP.missing():
+        pytest.skip(LLAMA_CPP.missing())
+    ids = torch.tensor(smollm2_a8.tokenizer(QUALITY_TEXT)["input_ids"][:200])
+    theirs = llama_cpp_logits("smollm2-135m", ids)  # [T, V]
+    ours = score_logits(smollm2_a8, ids)
+    result = compare(ours, theirs[:, : ours.shape[-1]], ids)
+    # both quantize activations to int8 blocks (in different ways): close, not equal
+    assert result["top1_agreement"] > 0.9
+    assert abs(math.log(result["ppl_a8"] / result["ppl_exact"])) < 0.05
