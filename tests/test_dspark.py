@@ -17,6 +17,7 @@ from specdec.api import generate_batch
 from specdec.budget import AutoBudget
 from specdec.cost import CostTable
 from specdec.draft import Draft
+from specdec.drafters.dflash import DFlashDrafter
 from specdec.drafters.dspark import DSparkDrafter
 from specdec.heads import FrozenTargetParts, target_description
 from specdec.heads.dspark import (
@@ -188,6 +189,10 @@ def test_dspark_backbone_drafts_from_the_anchor_row(counter):
     module = build_heads("dspark", counter, BLOCK, block_size=BLOCK)
     assert module.block_size == module.num_positions == BLOCK and module.prediction_offset == 0
     assert module.head_config()["kind"] == "dspark"
+    # a DSpark module is a DFlash module, but the dflash drafter would draft it without its
+    # sequential head (the wrong q): refused, with the drafter to use instead
+    with pytest.raises(ValueError, match="dspark drafter"):
+        DFlashDrafter.from_module(counter, module)
 
 
 @torch.no_grad()

@@ -102,8 +102,11 @@ class DFlashDrafter(Drafter):
         return drafter
 
     def _setup(self, target, heads: DFlashModule, vocab: DraftVocab, sample: bool) -> None:
-        if not isinstance(heads, DFlashModule):
-            raise ValueError(f"the dflash drafter runs 'dflash' modules, got {heads.kind!r}")
+        # the exact kind, not only isinstance: a DSpark module IS a DFlash module, but drafting it
+        # without its sequential head would propose from the wrong q (DSparkDrafter checks its own)
+        if not isinstance(heads, DFlashModule) or (type(self) is DFlashDrafter and heads.kind != DFlashModule.kind):
+            hint = " (run it with the dspark drafter)" if getattr(heads, "kind", None) == "dspark" else ""
+            raise ValueError(f"the dflash drafter runs 'dflash' modules, got {heads.kind!r}{hint}")
         if not isinstance(sample, bool):
             raise ValueError(f"sample must be true or false, got {sample!r}")
         self.target, self.heads, self.vocab, self.sample = target, heads, vocab, sample
