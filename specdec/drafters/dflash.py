@@ -81,13 +81,17 @@ class DFlashDrafter(Drafter):
 
     name = "dflash"
 
+    # how a directory in the public layout is recognised and loaded (DSparkDrafter: DeepSpec's)
+    is_export = staticmethod(is_dflash_export)
+    load_export = staticmethod(load_dflash_export)
+
     def __init__(self, target=None, checkpoint: str | None = None, sample: bool = True, draft_vocab: int = 8192):
         if target is None:
-            raise ValueError("the dflash drafter needs the target (its embeddings, LM head and hidden states)")
+            raise ValueError(f"the {self.name} drafter needs the target (its embeddings, LM head and hidden states)")
         if not checkpoint:
-            raise ValueError("the dflash drafter needs checkpoint=DIR: train one with `specdec train dflash`")
-        if is_dflash_export(Path(checkpoint)):
-            heads, config = load_dflash_export(checkpoint, target), {}
+            raise ValueError(f"the {self.name} drafter needs checkpoint=DIR: train one with `specdec train {self.name}`")
+        if self.is_export(Path(checkpoint)):
+            heads, config = self.load_export(checkpoint, target), {}
         else:
             heads, config = load_checkpoint(checkpoint, target, drafter=self.name)
         vocab = DraftVocab.from_config(FrozenTargetParts.from_target(target), config, draft_vocab)

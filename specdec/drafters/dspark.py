@@ -13,13 +13,11 @@ survivals to cut the block before verification (`--gamma auto`).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from ..checks import check_int
 from ..draft import Draft
-from ..heads import DraftVocab, DSparkModule, FrozenTargetParts, load_checkpoint
+from ..heads import DraftVocab, DSparkModule
 from ..heads.export import is_dspark_export, load_dspark_export
 from .base import DraftContext, register_drafter
 from .dflash import DFlashDrafter
@@ -39,17 +37,8 @@ class DSparkDrafter(DFlashDrafter):
     name = "dspark"
     gives_confidences = True  # c_k reads h_k and the token before k: known before token k is drawn
 
-    def __init__(self, target=None, checkpoint: str | None = None, sample: bool = True, draft_vocab: int = 8192):
-        if target is None:
-            raise ValueError("the dspark drafter needs the target (its embeddings, LM head and hidden states)")
-        if not checkpoint:
-            raise ValueError("the dspark drafter needs checkpoint=DIR: train one with `specdec train dspark`")
-        if is_dspark_export(Path(checkpoint)):
-            heads, config = load_dspark_export(checkpoint, target), {}
-        else:
-            heads, config = load_checkpoint(checkpoint, target, drafter=self.name)
-        vocab = DraftVocab.from_config(FrozenTargetParts.from_target(target), config, draft_vocab)
-        self._setup(target, heads, vocab, sample)
+    is_export = staticmethod(is_dspark_export)
+    load_export = staticmethod(load_dspark_export)
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
