@@ -235,6 +235,15 @@ def _read_weights(directory: Path, what: str) -> dict[str, torch.Tensor]:
     return state
 
 
+def _load_into(module: torch.nn.Module, state: dict[str, torch.Tensor], directory: Path, layout: str, target):
+    """Load `state` into `module` (every key must match: a wrong layout is a clear error) and put it
+    on the target's device / dtype."""
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{directory} is not {layout}: missing {sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}")
+    return module.to(device=target.device, dtype=target.dtype).eval()
+
+
 def load_dflash_export(directory: str | Path, target) -> DFlashModule:
     """A DFlashDraftModel directory (ours or a published one for this target) as a module on the target's device / dtype."""
     directory = Path(directory)
@@ -258,27 +267,15 @@ def load_dflash_export(directory: str | Path, target) -> DFlashModule:
     for unused in ("embed_tokens.weight", "lm_head.weight"):  # some drafters carry the target's: we use the target's own
         state.pop(unused, None)
     state = {name.removeprefix("model."): tensor.float() for name, tensor in state.items()}
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{directory} is not a DFlash drafter in the DFlashDraftModel layout: "
-                         f"missing {sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}")
-    return module.to(device=target.device, dtype=target.dtype).eval()
+    return _load_into(module, state, directory, "a DFlash drafter in the DFlashDraftModel layout", target)
 
 
 def load_eagle3_export(directory: str | Path, target) -> Eagle3Module:
     """An EAGLE-3 directory (ours or a published one for this target) as a module on the target's device / dtype."""
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     config = json.loads((directory / CONFIG_FILE).read_text())
-    weight_files = sorted(directory.glob("*.safetensors"))
-    if not weight_files:
-        raise FileNotFoundError(f"{directory} has an EAGLE-3 config.json but no *.safetensors weights")
     cfg = target.config
-    expected = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "num_attention_heads": cfg.num_attention_heads,
-                "num_key_value_heads": cfg.num_key_value_heads,
-                "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
-    wrong = {key: (config.get(key), value) for key, value in expected.items() if config.get(key, value) != value}
+    wrong = _target_shape_mismatch(config, cfg)
     if wrong:
         raise ValueError(f"EAGLE-3 drafter {directory} does not fit target {getattr(target, 'name', '')!r} "
                          f"(field: drafter, target): {wrong}")
@@ -287,9 +284,7 @@ def load_eagle3_export(directory: str | Path, target) -> Eagle3Module:
     aux_layers = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if aux_layers:
         module.fused_layers = tuple(int(layer) for layer in aux_layers)
-    state = {}
-    for path in weight_files:
-        state.update(load_file(str(path)))
+    state = _read_weights(directory, "EAGLE-3")
     state.pop("embed_tokens.weight", None)  # some published drafters carry the target's embeddings: we use the target's own
     if "d2t" not in state and module.d2t.shape[0] == cfg.vocab_size:
         state["d2t"] = torch.zeros(cfg.vocab_size, dtype=torch.long)
@@ -298,11 +293,7 @@ def load_eagle3_export(directory: str | Path, target) -> Eagle3Module:
             0, torch.arange(state["d2t"].shape[0]) + state["d2t"].long(), True)
     state = {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state.items()}
     state["d2t"], state["t2d"] = state["d2t"].long(), state["t2d"].bool()
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{directory} is not an EAGLE-3 drafter in the LlamaForCausalLMEagle3 layout: "
-                         f"missing {sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}")
-    return module.to(device=target.device, dtype=target.dtype).eval()
+    return _load_into(module, state, directory, "an EAGLE-3 drafter in the LlamaForCausalLMEagle3 layout", target)
 
 
 def load_dspark_export(directory: str | Path, target) -> DSparkModule:
@@ -340,8 +331,4 @@ def load_dspark_export(directory: str | Path, target) -> DSparkModule:
     if len(temperatures) != module.block_size:
         raise ValueError(f"{directory}: {len(temperatures)} confidence_temperatures for a block of {module.block_size}")
     state[_SEQUENTIAL_PREFIX + "confidence_temperatures"] = torch.tensor(temperatures, dtype=torch.float32)
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{directory} is not a DSpark drafter in DeepSpec's layout: "
-                         f"missing {sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}")
-    return module.to(device=target.device, dtype=target.dtype).eval()
+    return _load_into(module, state, directory, "a DSpark drafter in DeepSpec's layout", target)
