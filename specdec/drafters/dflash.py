@@ -64,10 +64,6 @@ class DFlashRunner:
         self.cache.truncate(committed)  # forget the block's keys: only verified positions stay
         return hidden[0, offset : offset + length]
 
-    def block_logits(self, root: int, length: int) -> torch.Tensor:
-        """Logits [length, V'] of the first `length` prediction rows of the block rooted at `root`."""
-        return self.heads.project(self.block_rows(root, length), self.parts).float()
-
 
 @register_drafter
 class DFlashDrafter(Drafter):
@@ -132,15 +128,21 @@ class DFlashDrafter(Drafter):
     def on_verified(self, result, ctx: DraftContext) -> None:
         self.runner.absorb(ctx)
 
-    @torch.inference_mode()
-    def propose(self, ctx: DraftContext, budget: int) -> Draft:
+    def block_rows(self, ctx: DraftContext, budget: int) -> torch.Tensor | None:
+        """Hidden rows [K, H] of this step's block, K = min(budget, prediction rows); None = nothing to draft."""
         if self.runner is None or self.runner.cached == 0 or budget <= 0:
-            return Draft.empty()
+            return None
         if len(ctx.tokens) - 1 != self.runner.cached:
             raise RuntimeError(f"drafter out of sync: {self.runner.cached} positions cached, root at {len(ctx.tokens) - 1}")
-        length = min(check_int("budget", budget, 1), self.heads.num_positions)
+        return self.runner.block_rows(ctx.tokens[-1], min(check_int("budget", budget, 1), self.heads.num_positions))
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, budget: int) -> Draft:
+        hidden = self.block_rows(ctx, budget)  # [K, H]
+        if hidden is None:
+            return Draft.empty()
         choose = chain_chooser(self.vocab, ctx, self.sample)
-        picks = [choose(row) for row in self.runner.block_logits(ctx.tokens[-1], length)]
+        picks = [choose(row) for row in self.heads.project(hidden, self.vocab.parts).float()]  # rows of [K, V']
         tokens = torch.tensor([token for token, _ in picks], dtype=torch.long)
         if picks[0][1] is None:
             return Draft.chain(tokens)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_int
 from ..draft import Draft
 from ..heads import DraftVocab, DSparkModule
 from ..heads.export import is_dspark_export, load_dspark_export
@@ -42,12 +41,9 @@ class DSparkDrafter(DFlashDrafter):
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
-        if self.runner is None or self.runner.cached == 0 or budget <= 0:
+        hidden = self.block_rows(ctx, budget)  # [K, H]
+        if hidden is None:
             return Draft.empty()
-        if len(ctx.tokens) - 1 != self.runner.cached:
-            raise RuntimeError(f"drafter out of sync: {self.runner.cached} positions cached, root at {len(ctx.tokens) - 1}")
-        length = min(check_int("budget", budget, 1), self.heads.num_positions)
-        hidden = self.runner.block_rows(ctx.tokens[-1], length)  # [K, H]
         base_logits = self.heads.project(hidden, self.vocab.parts).float()  # [K, V'] over the draft vocabulary
         tokens, probs, confidences = self.heads.sequential.draft(
             base_logits, hidden, ctx.tokens[-1], chain_chooser(self.vocab, ctx, self.sample), self.vocab.ids)
