@@ -15,7 +15,7 @@ import torch
 from conftest import assert_close_to_scale
 from safetensors.torch import load_file
 from test_eagle import WrongQ
-from test_train import _proposal, make_counter_target, text_prompts, token_marginal_pvalues
+from test_train import _proposal, counter_selfdistill_data, make_counter_target, token_marginal_pvalues
 
 from specdec import SamplingParams, generate
 from specdec.api import generate_batch
@@ -23,7 +23,7 @@ from specdec.drafters.dflash import DFlashDrafter
 from specdec.heads import FrozenTargetParts, dflash_hidden_layers, dflash_target_layer_ids, target_description
 from specdec.heads.dflash import ContextKeys
 from specdec.heads.export import export_dflash, load_dflash_export
-from specdec.train import DataSettings, TrainSettings, build_dataset, build_heads, load_samples, train
+from specdec.train import TrainSettings, build_heads, load_samples, train
 
 BLOCK = 5  # the anchor + 4 drafted tokens on the counter
 
@@ -35,10 +35,7 @@ def counter(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dflash_data(counter, tmp_path_factory):
-    out = tmp_path_factory.mktemp("dflash_data") / "data"
-    settings = DataSettings(num_prompts=16, max_new_tokens=40, shard_size=8, sampled_fraction=0.0, layers=[0, 1, 2, 3])
-    build_dataset(counter, out, settings, prompts=text_prompts(16, seed=0), progress=False, log=lambda _: None)
-    return out
+    return counter_selfdistill_data(counter, tmp_path_factory.mktemp("dflash_data") / "data", layers=[0, 1, 2, 3])
 
 
 def _settings(**changes):

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_train import _proposal, make_counter_target, text_prompts, token_marginal_pvalues
+from test_train import _proposal, counter_selfdistill_data, make_counter_target, token_marginal_pvalues
 
 from specdec import SamplingParams, generate
 from specdec.api import generate_batch
@@ -35,10 +35,7 @@ def counter(tmp_path_factory):
 @pytest.fixture(scope="module")
 def eagle_data(counter, tmp_path_factory):
     """Self-distilled data with every hidden layer (EAGLE-3 fuses 2, 1, 0 of the 3-block counter; 3 = top)."""
-    out = tmp_path_factory.mktemp("eagle_data") / "data"
-    settings = DataSettings(num_prompts=16, max_new_tokens=40, shard_size=8, sampled_fraction=0.0, layers=[0, 1, 2, 3])
-    build_dataset(counter, out, settings, prompts=text_prompts(16, seed=0), progress=False, log=lambda _: None)
-    return out
+    return counter_selfdistill_data(counter, tmp_path_factory.mktemp("eagle_data") / "data", layers=[0, 1, 2, 3])
 
 
 def _train(kind, counter, data, out, steps=150, **settings):

@@ -73,12 +73,17 @@ def counter(tmp_path_factory):
     return make_counter_target(tmp_path_factory.mktemp("counter") / "model", seed=0)
 
 
-@pytest.fixture(scope="module")
-def counter_data(counter, tmp_path_factory):
-    out = tmp_path_factory.mktemp("counter_data") / "data"
-    settings = DataSettings(num_prompts=16, max_new_tokens=40, shard_size=8, sampled_fraction=0.0)
+def counter_selfdistill_data(counter, out, layers=None):
+    """16 greedy self-distilled answers of the counter in shards of 8 (`layers`: the hidden layers
+    to store, default the heads' own); the data every trainer test in this suite learns from."""
+    settings = DataSettings(num_prompts=16, max_new_tokens=40, shard_size=8, sampled_fraction=0.0, layers=layers)
     build_dataset(counter, out, settings, prompts=text_prompts(16, seed=0), progress=False, log=lambda _: None)
     return out
+
+
+@pytest.fixture(scope="module")
+def counter_data(counter, tmp_path_factory):
+    return counter_selfdistill_data(counter, tmp_path_factory.mktemp("counter_data") / "data")
 
 
 @pytest.fixture(scope="module")
