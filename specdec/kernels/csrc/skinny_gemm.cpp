@@ -75,6 +75,9 @@ constexpr const char* kIsa = "avx2";
 #else
 #error "skinny_gemm needs AVX2 + FMA (or AVX-512F)"
 #endif
+#if !defined(__F16C__)
+#error "skinny_gemm needs F16C (fp16 block scales)"
+#endif
 
 inline float hsum256(__m256 v) {
   // fixed tree: 8 -> 4 -> 2 -> 1
@@ -101,7 +104,7 @@ constexpr int kMaxRowsPerTile = SG_MR;  // MR: rows of x per micro-tile
 constexpr int kColsPerTile = SG_NR;     // NR: rows of w (output columns) per micro-tile
 constexpr int64_t kPrefetchTiles = 2;   // software prefetch distance, in tiles (1, 2, 4, 8 measured)
 constexpr int64_t kKChunk = 512;        // K elements per step when row blocks interleave (multiple of V and of 64)
-constexpr int kSavedFloats = 16;        // floats parked per accumulator between K ranges (>= V; a8: 8 + 1)
+constexpr int kSavedFloats = 16;        // floats parked per accumulator between K ranges (>= V; a8: 8, see a8_tile)
 
 // ---------------------------------------------------------------- weight formats
 // A weight row is a sequence of blocks; a format says how one block becomes V-wide fp32 vectors:
@@ -113,23 +116,10 @@ constexpr int kSavedFloats = 16;        // floats parked per accumulator between
 // handed to the FMA is bitwise the weight `gguf.quants.dequantize` produces: the output is
 // bitwise the fp32 kernel's on the dequantized matrix, without that matrix ever existing.
 
-inline float fp16_to_fp32(const uint8_t* p) {  // exact (every fp16 is an fp32), no F16C needed
+inline float fp16_to_fp32(const uint8_t* p) {  // exact (every fp16 is an fp32); F16C, as every AVX2 CPU has
   uint16_t h;
   std::memcpy(&h, p, 2);
-  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
-  uint32_t bits;
-  if (exponent == 0x1f) {
-    bits = sign | 0x7f800000u | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else {  // zero or subnormal: mantissa * 2^-24 (exact in fp32)
-    const float magnitude = (float)mantissa * 5.9604644775390625e-08f;
-    std::memcpy(&bits, &magnitude, 4);
-    bits |= sign;
-  }
-  float value;
-  std::memcpy(&value, &bits, 4);
-  return value;
+  return _cvtsh_ss(h);
 }
 
 // V consecutive bytes; widened to V fp32 lanes (unsigned or signed); nibbles; bit fields.
@@ -192,6 +182,25 @@ inline __m256i bits_to_bytes32(uint32_t bits) {  // byte j = 0xff where bit j is
   const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), byte_of_bit);  // per 128-bit lane: all 4 bytes there
   return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit_in_byte), bit_in_byte);
 }
+
+// ---- a8, AVX-512 BW + VNNI builds only: two sub-blocks (64 weights) per zmm, sub-block 2p in
+// the low 256 bits, 2p + 1 in the high. The tile folds the two halves into the same 8 int32
+// lanes the 256-bit code produces (integer adds: exact, in any order) before any float step, so
+// the bits stay those of the AVX2 build.
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SG_A8_ZMM 1
+constexpr __mmask32 kHighWords = 0xffff0000u;  // the 16 int16 lanes of the high 256 bits
+inline __m512i broadcast32(const uint8_t* p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)p)); }
+inline __m512i nibble_pair64(const uint8_t* p) {  // 32 bytes -> their low nibbles, then their high nibbles
+  const __m512i b = broadcast32(p);
+  return _mm512_and_si512(_mm512_mask_srli_epi16(b, kHighWords, b, 4), _mm512_set1_epi8(0x0f));
+}
+// int16 lanes 0-15 = sc[first], 16-31 = sc[first + 1] (Q4_K / Q5_K: a scale per 32 weights)
+inline __m512i scale16_pair(const int16_t* sc, int first) {
+  const __m512i index = _mm512_mask_blend_epi16(kHighWords, _mm512_set1_epi16((short)first), _mm512_set1_epi16((short)(first + 1)));
+  return _mm512_permutexvar_epi16(index, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)sc)));
+}
+#endif
 
 struct NoScales {};
 
@@ -293,21 +302,27 @@ struct Q8_0Format {  // d fp16, qs int8[32]
 // Q4_K / Q5_K: 256 weights in 8 sub-blocks of 32, each with a 6-bit scale and min packed in 12 bytes.
 struct SubBlockScales { float d[8], dm[8]; };  // d * sc and dmin * m per sub-block
 
-inline void k_quant_6bit(const uint8_t* q, int16_t sc[8], int16_t m[8]) {
-  // bytes 0-3: low 6 bits of sc 0-3; 4-7: of m 0-3; 8-11: low 4 bits of sc/m 4-7 (high 2 bits in 0-7)
-  for (int i = 0; i < 4; ++i) {
-    sc[i] = q[i] & 0x3f;
-    m[i] = q[4 + i] & 0x3f;
-    sc[4 + i] = (q[8 + i] & 0x0f) | ((q[i] >> 2) & 0x30);
-    m[4 + i] = (q[8 + i] >> 4) | ((q[4 + i] >> 2) & 0x30);
-  }
+// bytes 0-3: low 6 bits of sc 0-3; 4-7: of m 0-3; 8-11: low 4 bits of sc/m 4-7 (their high 2
+// bits are the top 2 of bytes 0-7). Four bytes at a time in 32-bit words: the 8 sc, then the 8 m.
+inline void k_quant_6bit_bytes(const uint8_t* q, uint32_t sc[2], uint32_t m[2]) {
+  uint32_t lo, mid, hi;  // bytes 0-3, 4-7, 8-11
+  std::memcpy(&lo, q, 4), std::memcpy(&mid, q + 4, 4), std::memcpy(&hi, q + 8, 4);
+  sc[0] = lo & 0x3f3f3f3fu;
+  m[0] = mid & 0x3f3f3f3fu;
+  sc[1] = (hi & 0x0f0f0f0fu) | ((lo >> 2) & 0x30303030u);
+  m[1] = ((hi >> 4) & 0x0f0f0f0fu) | ((mid >> 2) & 0x30303030u);
+}
+inline __m128i k_quant_6bit_epi16(const uint32_t v[2]) {  // 8 bytes -> 8 int16 lanes
+  return _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)v[1], (int)v[0]));
 }
 
 inline void k_quant_scales(const uint8_t* b, SubBlockScales& s) {
-  const float d = fp16_to_fp32(b), dmin = fp16_to_fp32(b + 2);
-  int16_t sc[8], m[8];
-  k_quant_6bit(b + 4, sc, m);
-  for (int i = 0; i < 8; ++i) s.d[i] = d * (float)sc[i], s.dm[i] = dmin * (float)m[i];
+  uint32_t sc[2], m[2];
+  k_quant_6bit_bytes(b + 4, sc, m);
+  // d * (float)sc per lane: the same single rounded product as the scalar expression
+  const __m256 d = _mm256_set1_ps(fp16_to_fp32(b)), dmin = _mm256_set1_ps(fp16_to_fp32(b + 2));
+  _mm256_storeu_ps(s.d, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(k_quant_6bit_epi16(sc)))));
+  _mm256_storeu_ps(s.dm, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(k_quant_6bit_epi16(m)))));
 }
 
 // a8 mode, K-quants: the integer sub-block scales multiply the integer dot products (exact), the
@@ -319,7 +334,10 @@ struct KQuantA8Scales {
 };
 inline void k_quant_a8_scales(const uint8_t* b, KQuantA8Scales& s) {
   s.d = fp16_to_fp32(b), s.dmin = fp16_to_fp32(b + 2);
-  k_quant_6bit(b + 4, s.sc, s.m);
+  uint32_t sc[2], m[2];
+  k_quant_6bit_bytes(b + 4, sc, m);
+  _mm_store_si128((__m128i*)s.sc, k_quant_6bit_epi16(sc));
+  _mm_store_si128((__m128i*)s.m, k_quant_6bit_epi16(m));
 }
 
 struct Q4_KFormat {  // d, dmin fp16, scales[12], qs[128]: sub-block 2i / 2i+1 = low / high nibbles of qs[32i..32i+31]
@@ -339,6 +357,11 @@ struct Q4_KFormat {  // d, dmin fp16, scales[12], qs[128]: sub-block 2i / 2i+1 =
   static void prepare_a8(const uint8_t* b, A8Scales& s) { k_quant_a8_scales(b, s); }
   static __m256i quants32(const uint8_t* b, int sub) { return nibbles32(b + 16 + 32 * (sub / 2), sub % 2); }
   static __m256i a8_scale16(const A8Scales& s, int sub) { return _mm256_set1_epi16(s.sc[sub]); }
+#ifdef SG_A8_ZMM
+  static constexpr int kZmmOffset = 0;  // quants64 - kZmmOffset = the weights
+  static __m512i quants64(const uint8_t* b, int pair) { return nibble_pair64(b + 16 + 32 * pair); }
+  static __m512i a8_scale16_pair(const A8Scales& s, int pair) { return scale16_pair(s.sc, 2 * pair); }
+#endif
 };
 
 struct Q5_KFormat {  // d, dmin, scales[12], qh[32] (bit s of qh[j] = 5th bit of weight j of sub-block s), qs[128]
@@ -361,15 +384,27 @@ struct Q5_KFormat {  // d, dmin, scales[12], qh[32] (bit s of qh[j] = 5th bit of
     return _mm256_or_si256(nibbles32(b + 48 + 32 * (sub / 2), sub % 2), high);
   }
   static __m256i a8_scale16(const A8Scales& s, int sub) { return _mm256_set1_epi16(s.sc[sub]); }
+#ifdef SG_A8_ZMM
+  static constexpr int kZmmOffset = 0;
+  static __m512i quants64(const uint8_t* b, int pair) {  // 5th bits: bit 2p of qh (low half), 2p + 1 (high half)
+    __m512i qh = _mm512_srl_epi16(broadcast32(b + 16), _mm_cvtsi32_si128(2 * pair));
+    qh = _mm512_mask_srli_epi16(qh, kHighWords, qh, 1);
+    const __m512i high = _mm512_slli_epi16(_mm512_and_si512(qh, _mm512_set1_epi8(1)), 4);
+    return _mm512_or_si512(nibble_pair64(b + 48 + 32 * pair), high);
+  }
+  static __m512i a8_scale16_pair(const A8Scales& s, int pair) { return scale16_pair(s.sc, 2 * pair); }
+#endif
 };
 
 struct Q6_KFormat {  // ql[128], qh[64], scales int8[16] (one per 16 weights), d fp16
   static constexpr int kBlock = 256, kBytes = 210;
   static constexpr bool kTail = false;
   struct Scales { float d[16]; };  // d * scale per 16 weights
-  static void prepare(const uint8_t* b, Scales& s) {
-    const float d = fp16_to_fp32(b + 208);
-    for (int i = 0; i < 16; ++i) s.d[i] = d * (float)(int8_t)b[192 + i];
+  static void prepare(const uint8_t* b, Scales& s) {  // d * (float)scale per lane, as the scalar product
+    const __m256 d = _mm256_set1_ps(fp16_to_fp32(b + 208));
+    const __m128i scales = _mm_loadu_si128((const __m128i*)(b + 192));
+    _mm256_storeu_ps(s.d, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales))));
+    _mm256_storeu_ps(s.d + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8)))));
   }
   // weight 128h + r: low 4 bits from ql[64h + r % 64] (nibble r / 64), high 2 from qh[32h + r % 32] (bits 2 (r / 32))
   static vec load(const uint8_t* b, const Scales& s, int e) {  // (d * scale) * (q - 32)
@@ -385,7 +420,9 @@ struct Q6_KFormat {  // ql[128], qh[64], scales int8[16] (one per 16 weights), d
   using A8Scales = KQuantA8Scales;
   static void prepare_a8(const uint8_t* b, A8Scales& s) {
     s.d = fp16_to_fp32(b + 208);
-    for (int i = 0; i < 16; ++i) s.sc[i] = (int8_t)b[192 + i];
+    const __m128i scales = _mm_loadu_si128((const __m128i*)(b + 192));
+    _mm_store_si128((__m128i*)s.sc, _mm_cvtepi8_epi16(scales));
+    _mm_store_si128((__m128i*)(s.sc + 8), _mm_cvtepi8_epi16(_mm_srli_si128(scales, 8)));
   }
   static __m256i a8_scale16(const A8Scales& s, int sub) {  // int16 lanes 0-7 = bytes 0-15, 8-15 = bytes 16-31
     return _mm256_set_m128i(_mm_set1_epi16(s.sc[2 * sub + 1]), _mm_set1_epi16(s.sc[2 * sub]));
@@ -396,6 +433,29 @@ struct Q6_KFormat {  // ql[128], qh[64], scales int8[16] (one per 16 weights), d
     const __m256i high = _mm256_slli_epi16(bit_field32(load32(b + 128 + 32 * h), 2 * quarter, 3), 4);
     return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
   }
+#ifdef SG_A8_ZMM
+  // sub-blocks 2p, 2p + 1 = quarters 2 (p % 2) and + 1 of half p / 2: the 64 bytes of ql there (low
+  // nibbles for even p, high for odd), and qh bits 4 (p % 2) (low half) / + 2 (high half). Unsigned
+  // q in [0, 63] (AVX-512 has no vpsignb): the tile subtracts 32 * the activation pairs instead.
+  static constexpr int kZmmOffset = 32;
+  static __m512i quants64(const uint8_t* b, int pair) {
+    const int h = pair / 2, odd = pair % 2;
+    __m512i low = _mm512_loadu_si512((const void*)(b + 64 * h));
+    if (odd) low = _mm512_srli_epi16(low, 4);
+    low = _mm512_and_si512(low, _mm512_set1_epi8(0x0f));
+    __m512i qh = broadcast32(b + 128 + 32 * h);
+    if (odd) qh = _mm512_srli_epi16(qh, 4);
+    qh = _mm512_mask_srli_epi16(qh, kHighWords, qh, 2);
+    const __m512i high = _mm512_and_si512(_mm512_slli_epi16(qh, 4), _mm512_set1_epi8(0x30));
+    return _mm512_or_si512(low, high);
+  }
+  static __m512i a8_scale16_pair(const A8Scales& s, int pair) {  // int16 lanes 8i .. 8i + 7 = sc[4p + i]
+    constexpr long long kOnes = 0x0001000100010001LL;  // four int16 lanes of 1
+    const __m512i index = _mm512_setr_epi64(0, 0, kOnes, kOnes, 2 * kOnes, 2 * kOnes, 3 * kOnes, 3 * kOnes);
+    return _mm512_permutexvar_epi16(_mm512_add_epi16(index, _mm512_set1_epi16((short)(4 * pair))),
+                                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)s.sc)));
+  }
+#endif
 };
 
 // What one micro-tile call works on: MR rows of x times NR rows of w, over K range [k_begin, k_end).
@@ -588,10 +648,19 @@ inline __m256i dot_u8_i8_scaled(__m256i acc, __m256i u, __m256i s, __m256i scale
 // them once per 256 weights, and keeping them out of registers leaves room for the integer sums.
 template <typename Fmt, int MR, int NR>
 void a8_tile(const TileArgs& a) {
-  float* const saved = a.saved;  // [MR * NR][kSavedFloats]: acc lanes 0-7, mins at 8
+  // a.saved [MR * NR][kSavedFloats]: acc lanes 0-7 per output; the min-term sums of row r, one
+  // float per column, at floats 8 .. 8 + NR of entry (r, 0) (free there: they fit, NR <= 8)
+  static_assert(NR <= 4 && kSavedFloats >= 16, "the min-term sums of a row are one 4-float vector");
+  float* const saved = a.saved;
+  auto acc_of = [saved](int r, int c) { return saved + (r * NR + c) * kSavedFloats; };
+  auto mins_of = [saved](int r) { return saved + r * NR * kSavedFloats + 8; };
   if (a.k_begin == 0) {
 #pragma GCC unroll 8
-    for (int i = 0; i < MR * NR; ++i) _mm256_storeu_ps(saved + i * kSavedFloats, _mm256_setzero_ps()), saved[i * kSavedFloats + 8] = 0.0f;
+    for (int r = 0; r < MR; ++r) {
+      _mm_storeu_ps(mins_of(r), _mm_setzero_ps());
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) _mm256_storeu_ps(acc_of(r, c), _mm256_setzero_ps());
+    }
   }
   constexpr int kSubs = Fmt::kBlock / kA8Sub;
   constexpr int64_t kLine = 64;
@@ -624,18 +693,51 @@ void a8_tile(const TileArgs& a) {
         const __m256 dx = _mm256_set1_ps(row.d[ab]);
 #pragma GCC unroll 8
         for (int c = 0; c < NR; ++c) {
-          float* acc = saved + (r * NR + c) * kSavedFloats;
+          float* acc = acc_of(r, c);
           const __m256i dot = dot_u8_i8(wq[c], Fmt::kSigned ? _mm256_sign_epi8(xv, wsign[c]) : xv);
           _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(Fmt::a8_scale(scales[c], 0), dx),
                                                 _mm256_loadu_ps(acc)));
-          if constexpr (Fmt::kHasMin) acc[8] = acc[8] + Fmt::a8_min(scales[c], 0) * row.ds[ab];
+          if constexpr (Fmt::kHasMin) mins_of(r)[c] = mins_of(r)[c] + Fmt::a8_min(scales[c], 0) * row.ds[ab];
         }
       }
     } else {  // K-quants: integer sub-block scales, one fp32 update per 256
       typename Fmt::A8Scales scales[NR];
 #pragma GCC unroll 8
       for (int c = 0; c < NR; ++c) Fmt::prepare_a8(a.w + c * a.ldw + offset, scales[c]);
-      __m256i isum[MR][NR];
+      __m256i isum[MR][NR];  // per output: 8 int32 lanes, lane j = sum over sub-blocks of sc * (bytes 4j..4j+3)
+#ifdef SG_A8_ZMM
+      __m512i isum2[MR][NR];  // the same, sub-blocks 2p in the low, 2p + 1 in the high 8 lanes
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; ++c) isum2[r][c] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int pair = 0; pair < kSubs / 2; ++pair) {
+        __m512i wq[NR], scale16[NR];
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; ++c) {
+          wq[c] = Fmt::quants64(a.w + c * a.ldw + offset, pair);
+          scale16[c] = Fmt::a8_scale16_pair(scales[c], pair);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          const __m512i xv = _mm512_loadu_si512((const void*)(a.xq + r * a.ldxq + kb + 2 * kA8Sub * pair));
+          __m512i offset_pairs;  // kZmmOffset * (x pair sums): the int16 pairs of (q - offset) . x = q . x - this
+          if constexpr (Fmt::kZmmOffset != 0) offset_pairs = _mm512_maddubs_epi16(_mm512_set1_epi8(Fmt::kZmmOffset), xv);
+#pragma GCC unroll 8
+          for (int c = 0; c < NR; ++c) {
+            __m512i pairs = _mm512_maddubs_epi16(wq[c], xv);  // |pair| <= 2 * 63 * 127: no saturation
+            if constexpr (Fmt::kZmmOffset != 0) pairs = _mm512_sub_epi16(pairs, offset_pairs);
+            isum2[r][c] = _mm512_dpwssd_epi32(isum2[r][c], pairs, scale16[c]);
+          }
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; ++c)
+          isum[r][c] = _mm256_add_epi32(_mm512_castsi512_si256(isum2[r][c]), _mm512_extracti64x4_epi64(isum2[r][c], 1));
+#else
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
@@ -657,6 +759,7 @@ void a8_tile(const TileArgs& a) {
             isum[r][c] = dot_u8_i8_scaled(isum[r][c], wq[c], Fmt::kSigned ? _mm256_sign_epi8(xv, wsign[c]) : xv, scale16[c]);
         }
       }
+#endif
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const A8Row row(a.xq + r * a.ldxq, a.K);
@@ -665,15 +768,22 @@ void a8_tile(const TileArgs& a) {
         if constexpr (Fmt::kHasMin) bsum_lo = _mm_loadu_si128((const __m128i*)(row.bsum + kb / kA8Sub));  // 8 x int16
 #pragma GCC unroll 8
         for (int c = 0; c < NR; ++c) {
-          float* acc = saved + (r * NR + c) * kSavedFloats;
+          float* acc = acc_of(r, c);
           _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][c]), _mm256_set1_ps(scales[c].d * dx),
                                                 _mm256_loadu_ps(acc)));
-          if constexpr (Fmt::kHasMin) {  // sum over sub-blocks of m * bsum, exact in int32
-            __m128i p = _mm_madd_epi16(_mm_load_si128((const __m128i*)scales[c].m), bsum_lo);
-            p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0x4e));
-            p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0xb1));
-            acc[8] = acc[8] - (scales[c].dmin * dx) * (float)_mm_cvtsi128_si32(p);
+        }
+        if constexpr (Fmt::kHasMin) {  // per column: sum over sub-blocks of m * bsum (exact in int32),
+          // then mins -= (dmin * dx) * that: the NR columns side by side in one 4-lane vector
+          __m128i p[4];
+          alignas(16) float dmin[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) {
+            p[c] = c < NR ? _mm_madd_epi16(_mm_load_si128((const __m128i*)scales[c].m), bsum_lo) : _mm_setzero_si128();
+            if (c < NR) dmin[c] = scales[c].dmin;
           }
+          const __m128i sums = _mm_hadd_epi32(_mm_hadd_epi32(p[0], p[1]), _mm_hadd_epi32(p[2], p[3]));  // column c in lane c
+          const __m128 dm = _mm_mul_ps(_mm_load_ps(dmin), _mm_set1_ps(dx));
+          _mm_storeu_ps(mins_of(r), _mm_sub_ps(_mm_loadu_ps(mins_of(r)), _mm_mul_ps(dm, _mm_cvtepi32_ps(sums))));
         }
       }
     }
@@ -683,9 +793,8 @@ void a8_tile(const TileArgs& a) {
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
     for (int c = 0; c < NR; ++c) {
-      const float* acc = saved + (r * NR + c) * kSavedFloats;
-      float value = hsum256(_mm256_loadu_ps(acc));
-      if constexpr (Fmt::kHasMin) value += acc[8];
+      float value = hsum256(_mm256_loadu_ps(acc_of(r, c)));
+      if constexpr (Fmt::kHasMin) value += mins_of(r)[c];
       if (a.bias) value += a.bias[c];
       a.y[r * a.ldy + c] = value;
     }
