@@ -22,6 +22,8 @@ code that needs one (training heads, other dtypes, autograd: a temporary copy ea
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -56,6 +58,29 @@ def dequantize_blocks(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
 
     array = dequantize(blocks.detach().cpu().numpy(), GGMLQuantizationType(int(ggml_type)))
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+
+
+_HUGE_PAGE = 2 * 1024 * 1024
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """A zeroed uint8 tensor [nbytes] in private anonymous memory advised for 2 MiB (transparent
+    huge) pages, starting on a 2 MiB boundary; the tensor keeps its mapping alive.
+
+    Why: a forward streams every weight byte once, so with 4 KiB pages it also walks a page-table
+    entry per 4 KiB (~250k per Qwen2.5-Coder-1.5B forward, each a nested walk in a VM). Measured
+    on the 1.5B (gguf-a8, 1 thread, 1 token): ~15% less time per forward, the LM head ~25% less.
+    Where the OS has no transparent huge pages (or refuses the advice) it is ordinary memory."""
+    length = nbytes + _HUGE_PAGE  # room to start on a 2 MiB boundary
+    arena = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory gets no THP
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            arena.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    whole = torch.frombuffer(arena, dtype=torch.uint8)  # holds a reference to `arena`
+    start = -whole.data_ptr() % _HUGE_PAGE
+    return whole[start:start + nbytes]
 
 
 def _checked_blocks(blocks: torch.Tensor, ggml_type: int, in_features: int, backend: CppSkinnyLinear) -> None:

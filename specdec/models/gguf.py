@@ -216,6 +216,36 @@ def read_block_types(weights_file: Path | str) -> dict[str, int]:
     return {name: int(ggml_type) for name, ggml_type in json.loads(metadata.get(BLOCK_TYPES_KEY, "{}")).items()}
 
 
+def read_blocks_in_huge_pages(weights_file: Path | str, names) -> dict:
+    """{name: uint8 tensor} for the block tensors `names` of a converted safetensors file, read with
+    plain file reads (not through a mapping of the file, which would count twice in RSS) into one
+    buffer in 2 MiB pages (`huge_page_buffer`: the kernel streams them every forward)."""
+    from ..kernels import huge_page_buffer
+
+    alignment = 4096  # each tensor starts on a page
+    with open(weights_file, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        data_start = 8 + header_len
+        entries, total = [], 0
+        for name in names:
+            info = header[name]
+            if info["dtype"] != "U8":
+                raise ValueError(f"{weights_file}: block tensor {name} is {info['dtype']}, expected U8")
+            begin, end = info["data_offsets"]
+            entries.append((name, info["shape"], begin, end - begin, total))
+            total += -(-(end - begin) // alignment) * alignment
+        buffer = huge_page_buffer(total)
+        view = memoryview(buffer.numpy())
+        tensors = {}
+        for name, shape, begin, size, offset in entries:
+            f.seek(data_start + begin)
+            if f.readinto(view[offset:offset + size]) != size:
+                raise ValueError(f"{weights_file}: tensor {name} is truncated")
+            tensors[name] = buffer[offset:offset + size].view(shape)
+    return tensors
+
+
 def transformers_load_kwargs(model_dir: Path | str) -> dict:
     """Extra `from_pretrained` arguments for transformers to load a converted dir: a dir whose
     weights are GGUF blocks is read from its source GGUF instead (transformers dequantises it)."""

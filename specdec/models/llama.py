@@ -289,7 +289,7 @@ def load_native(
     A dir without blocks (an HF checkpoint) has dense weights only; "gguf"/"gguf-a8" are errors there.
     """
     from ..kernels import dequantize_blocks, fast_linear_modules, make_backend
-    from .gguf import read_block_types
+    from .gguf import read_block_types, read_blocks_in_huge_pages
 
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -299,10 +299,12 @@ def load_native(
     cfg = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = LlamaModel(cfg)
-    state, block_types = {}, {}
+    state, block_types, block_files = {}, {}, {}
     for shard in sorted(model_dir.glob("*.safetensors")):
-        state.update(load_file(shard))
-        block_types.update(read_block_types(shard))
+        state.update(load_file(shard))  # mapped lazily: tensors never read cost no memory
+        shard_types = read_block_types(shard)
+        block_types.update(shard_types)
+        block_files.update(dict.fromkeys(shard_types, shard))
     if not state:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
     backend = make_backend(linear)
@@ -310,6 +312,9 @@ def load_native(
     blocks = {key: state.pop(key) for key in block_types}  # [out, row_bytes] uint8 each
     if weights == "fp32":
         state.update({key: dequantize_blocks(blocks.pop(key), block_types[key]) for key in list(blocks)})
+    else:  # the kernel streams them every forward: read them again into 2 MiB pages (no page walks)
+        for shard in set(block_files.values()):
+            blocks.update(read_blocks_in_huge_pages(shard, [key for key, f in block_files.items() if f == shard]))
     if getattr(cfg, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     state = {key: tensor.to(torch_dtype) for key, tensor in state.items()}

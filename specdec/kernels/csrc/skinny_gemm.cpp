@@ -648,12 +648,12 @@ inline __m256i dot_u8_i8_scaled(__m256i acc, __m256i u, __m256i s, __m256i scale
 // them once per 256 weights, and keeping them out of registers leaves room for the integer sums.
 template <typename Fmt, int MR, int NR>
 void a8_tile(const TileArgs& a) {
-  // a.saved [MR * NR][kSavedFloats]: acc lanes 0-7 per output; the min-term sums of row r, one
-  // float per column, at floats 8 .. 8 + NR of entry (r, 0) (free there: they fit, NR <= 8)
-  static_assert(NR <= 4 && kSavedFloats >= 16, "the min-term sums of a row are one 4-float vector");
+  // a.saved, per row r (NR * kSavedFloats floats): the 8 acc lanes of each column side by side
+  // (two columns = one 16-float vector), then the row's min-term sums, one float per column
+  static_assert(NR <= 4 && kSavedFloats >= 12, "a row's acc lanes and its 4 min-term sums fit its NR * kSavedFloats floats");
   float* const saved = a.saved;
-  auto acc_of = [saved](int r, int c) { return saved + (r * NR + c) * kSavedFloats; };
-  auto mins_of = [saved](int r) { return saved + r * NR * kSavedFloats + 8; };
+  auto acc_of = [saved](int r, int c) { return saved + r * NR * kSavedFloats + 8 * c; };
+  auto mins_of = [saved](int r) { return saved + r * NR * kSavedFloats + 8 * NR; };
   if (a.k_begin == 0) {
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
@@ -704,7 +704,6 @@ void a8_tile(const TileArgs& a) {
       typename Fmt::A8Scales scales[NR];
 #pragma GCC unroll 8
       for (int c = 0; c < NR; ++c) Fmt::prepare_a8(a.w + c * a.ldw + offset, scales[c]);
-      __m256i isum[MR][NR];  // per output: 8 int32 lanes, lane j = sum over sub-blocks of sc * (bytes 4j..4j+3)
 #ifdef SG_A8_ZMM
       __m512i isum2[MR][NR];  // the same, sub-blocks 2p in the low, 2p + 1 in the high 8 lanes
 #pragma GCC unroll 8
@@ -713,31 +712,30 @@ void a8_tile(const TileArgs& a) {
         for (int c = 0; c < NR; ++c) isum2[r][c] = _mm512_setzero_si512();
 #pragma GCC unroll 4
       for (int pair = 0; pair < kSubs / 2; ++pair) {
-        __m512i wq[NR], scale16[NR];
+        // columns outer, rows inner (x re-read from L1): MR * NR sums + one column's weights and
+        // scales stay in the 32 registers, where all NR columns' would spill
+        const uint8_t* xq = a.xq + kb + 2 * kA8Sub * pair;
+        __m512i offset_pairs[MR];  // kZmmOffset * (x pair sums): the int16 pairs of (q - offset) . x = q . x - this
+        if constexpr (Fmt::kZmmOffset != 0) {
 #pragma GCC unroll 8
-        for (int c = 0; c < NR; ++c) {
-          wq[c] = Fmt::quants64(a.w + c * a.ldw + offset, pair);
-          scale16[c] = Fmt::a8_scale16_pair(scales[c], pair);
+          for (int r = 0; r < MR; ++r)
+            offset_pairs[r] = _mm512_maddubs_epi16(_mm512_set1_epi8(Fmt::kZmmOffset), _mm512_loadu_si512((const void*)(xq + r * a.ldxq)));
         }
 #pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-          const __m512i xv = _mm512_loadu_si512((const void*)(a.xq + r * a.ldxq + kb + 2 * kA8Sub * pair));
-          __m512i offset_pairs;  // kZmmOffset * (x pair sums): the int16 pairs of (q - offset) . x = q . x - this
-          if constexpr (Fmt::kZmmOffset != 0) offset_pairs = _mm512_maddubs_epi16(_mm512_set1_epi8(Fmt::kZmmOffset), xv);
+        for (int c = 0; c < NR; ++c) {
+          const __m512i wq = Fmt::quants64(a.w + c * a.ldw + offset, pair);
+          const __m512i scale16 = Fmt::a8_scale16_pair(scales[c], pair);
 #pragma GCC unroll 8
-          for (int c = 0; c < NR; ++c) {
-            __m512i pairs = _mm512_maddubs_epi16(wq[c], xv);  // |pair| <= 2 * 63 * 127: no saturation
-            if constexpr (Fmt::kZmmOffset != 0) pairs = _mm512_sub_epi16(pairs, offset_pairs);
-            isum2[r][c] = _mm512_dpwssd_epi32(isum2[r][c], pairs, scale16[c]);
+          for (int r = 0; r < MR; ++r) {
+            const __m512i xv = _mm512_loadu_si512((const void*)(xq + r * a.ldxq));
+            __m512i pairs = _mm512_maddubs_epi16(wq, xv);  // |pair| <= 2 * 63 * 127: no saturation
+            if constexpr (Fmt::kZmmOffset != 0) pairs = _mm512_sub_epi16(pairs, offset_pairs[r]);
+            isum2[r][c] = _mm512_dpwssd_epi32(isum2[r][c], pairs, scale16);
           }
         }
       }
-#pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 8
-        for (int c = 0; c < NR; ++c)
-          isum[r][c] = _mm256_add_epi32(_mm512_castsi512_si256(isum2[r][c]), _mm512_extracti64x4_epi64(isum2[r][c], 1));
 #else
+      __m256i isum[MR][NR];  // per output: 8 int32 lanes, lane j = sum over sub-blocks of sc * (bytes 4j..4j+3)
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
@@ -766,12 +764,32 @@ void a8_tile(const TileArgs& a) {
         const float dx = row.d[kb / Fmt::kA8Block];
         __m128i bsum_lo;
         if constexpr (Fmt::kHasMin) bsum_lo = _mm_loadu_si128((const __m128i*)(row.bsum + kb / kA8Sub));  // 8 x int16
+#ifdef SG_A8_ZMM
+        // acc = fma(int32 lanes -> fp32, d_w * dx, acc), two columns per zmm: folding the halves of
+        // columns c and c + 1 gives their 8 lanes each (as in the 256-bit build), side by side
+#pragma GCC unroll 4
+        for (int c = 0; c + 1 < NR; c += 2) {
+          const __m512i lanes = _mm512_add_epi32(_mm512_shuffle_i64x2(isum2[r][c], isum2[r][c + 1], 0x44),   // low halves
+                                                 _mm512_shuffle_i64x2(isum2[r][c], isum2[r][c + 1], 0xee));  // high halves
+          const __m512 d = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(scales[c].d))),
+                                                               _mm256_castps_pd(_mm256_set1_ps(scales[c + 1].d)), 1));
+          float* acc = acc_of(r, c);  // columns c, c + 1: 16 floats
+          _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_mul_ps(d, _mm512_set1_ps(dx)), _mm512_loadu_ps(acc)));
+        }
+        if constexpr (NR % 2) {
+          const __m512i last = isum2[r][NR - 1];
+          const __m256i lanes = _mm256_add_epi32(_mm512_castsi512_si256(last), _mm512_extracti64x4_epi64(last, 1));
+          float* acc = acc_of(r, NR - 1);
+          _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(scales[NR - 1].d * dx), _mm256_loadu_ps(acc)));
+        }
+#else
 #pragma GCC unroll 8
         for (int c = 0; c < NR; ++c) {
           float* acc = acc_of(r, c);
           _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][c]), _mm256_set1_ps(scales[c].d * dx),
                                                 _mm256_loadu_ps(acc)));
         }
+#endif
         if constexpr (Fmt::kHasMin) {  // per column: sum over sub-blocks of m * bsum (exact in int32),
           // then mins -= (dmin * dx) * that: the NR columns side by side in one 4-lane vector
           __m128i p[4];
