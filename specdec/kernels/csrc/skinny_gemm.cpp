@@ -329,14 +329,15 @@ inline void k_quant_scales(const uint8_t* b, SubBlockScales& s) {
 // fp16 super-block scales come once per 256 weights (activations quantized per 256, as q8_K).
 struct KQuantA8Scales {
   float d, dmin;
-  alignas(16) int16_t sc[16];  // per 32 weights (Q4_K, Q5_K: first 8) or per 16 (Q6_K)
+  alignas(32) int16_t sc[16];  // per 32 weights (Q4_K, Q5_K: first 8) or per 16 (Q6_K)
   alignas(16) int16_t m[8];    // per 32 weights (Q4_K, Q5_K)
 };
 inline void k_quant_a8_scales(const uint8_t* b, KQuantA8Scales& s) {
   s.d = fp16_to_fp32(b), s.dmin = fp16_to_fp32(b + 2);
   uint32_t sc[2], m[2];
   k_quant_6bit_bytes(b + 4, sc, m);
-  _mm_store_si128((__m128i*)s.sc, k_quant_6bit_epi16(sc));
+  _mm256_store_si256((__m256i*)s.sc, _mm256_castsi128_si256(k_quant_6bit_epi16(sc)));  // lanes 8-15 unused; one
+  // 32-byte store so that the 32-byte loads of the scales forward from it (two halves would stall)
   _mm_store_si128((__m128i*)s.m, k_quant_6bit_epi16(m));
 }
 
@@ -420,9 +421,7 @@ struct Q6_KFormat {  // ql[128], qh[64], scales int8[16] (one per 16 weights), d
   using A8Scales = KQuantA8Scales;
   static void prepare_a8(const uint8_t* b, A8Scales& s) {
     s.d = fp16_to_fp32(b + 208);
-    const __m128i scales = _mm_loadu_si128((const __m128i*)(b + 192));
-    _mm_store_si128((__m128i*)s.sc, _mm_cvtepi8_epi16(scales));
-    _mm_store_si128((__m128i*)(s.sc + 8), _mm_cvtepi8_epi16(_mm_srli_si128(scales, 8)));
+    _mm256_store_si256((__m256i*)s.sc, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192))));
   }
   static __m256i a8_scale16(const A8Scales& s, int sub) {  // int16 lanes 0-7 = bytes 0-15, 8-15 = bytes 16-31
     return _mm256_set_m128i(_mm_set1_epi16(s.sc[2 * sub + 1]), _mm_set1_epi16(s.sc[2 * sub]));
@@ -648,16 +647,17 @@ inline __m256i dot_u8_i8_scaled(__m256i acc, __m256i u, __m256i s, __m256i scale
 // them once per 256 weights, and keeping them out of registers leaves room for the integer sums.
 template <typename Fmt, int MR, int NR>
 void a8_tile(const TileArgs& a) {
-  // a.saved, per row r (NR * kSavedFloats floats): the 8 acc lanes of each column side by side
-  // (two columns = one 16-float vector), then the row's min-term sums, one float per column
-  static_assert(NR <= 4 && kSavedFloats >= 12, "a row's acc lanes and its 4 min-term sums fit its NR * kSavedFloats floats");
+  // a.saved, per row r (kRowFloats floats): the 8 acc lanes of each column side by side (two
+  // columns = one 16-float vector), then the row's min-term sums: 4 lanes per column (all equal)
+  constexpr int kRowFloats = kColsPerTile * kSavedFloats;
+  static_assert(NR <= 4 && kRowFloats >= 8 * 4 + 16, "a row's acc lanes and its min-term sums fit its kRowFloats");
   float* const saved = a.saved;
-  auto acc_of = [saved](int r, int c) { return saved + r * NR * kSavedFloats + 8 * c; };
-  auto mins_of = [saved](int r) { return saved + r * NR * kSavedFloats + 8 * NR; };
+  auto acc_of = [saved](int r, int c) { return saved + r * kRowFloats + 8 * c; };
+  auto mins_of = [saved](int r) { return saved + r * kRowFloats + 32; };  // 16 floats, column c at 4c
   if (a.k_begin == 0) {
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      _mm_storeu_ps(mins_of(r), _mm_setzero_ps());
+      _mm256_storeu_ps(mins_of(r), _mm256_setzero_ps()), _mm256_storeu_ps(mins_of(r) + 8, _mm256_setzero_ps());
 #pragma GCC unroll 8
       for (int c = 0; c < NR; ++c) _mm256_storeu_ps(acc_of(r, c), _mm256_setzero_ps());
     }
@@ -697,7 +697,7 @@ void a8_tile(const TileArgs& a) {
           const __m256i dot = dot_u8_i8(wq[c], Fmt::kSigned ? _mm256_sign_epi8(xv, wsign[c]) : xv);
           _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(Fmt::a8_scale(scales[c], 0), dx),
                                                 _mm256_loadu_ps(acc)));
-          if constexpr (Fmt::kHasMin) mins_of(r)[c] = mins_of(r)[c] + Fmt::a8_min(scales[c], 0) * row.ds[ab];
+          if constexpr (Fmt::kHasMin) mins_of(r)[4 * c] = mins_of(r)[4 * c] + Fmt::a8_min(scales[c], 0) * row.ds[ab];
         }
       }
     } else {  // K-quants: integer sub-block scales, one fp32 update per 256
@@ -758,6 +758,16 @@ void a8_tile(const TileArgs& a) {
         }
       }
 #endif
+      // min terms (Q4_K, Q5_K), per column: mins -= (dmin * dx) * sum over sub-blocks of m * bsum
+      // (exact in int32); 4 lanes per column, the columns' m and dmin side by side (zero past NR)
+      [[maybe_unused]] __m256i m_cols[2];  // int16: columns 0, 1 | 2, 3
+      [[maybe_unused]] __m256 dmin_cols[2];
+      if constexpr (Fmt::kHasMin) {
+        auto m_of = [&](int c) { return c < NR ? _mm_load_si128((const __m128i*)scales[c].m) : _mm_setzero_si128(); };
+        auto dmin_of = [&](int c) { return _mm_set1_ps(c < NR ? scales[c].dmin : 0.0f); };
+        m_cols[0] = _mm256_set_m128i(m_of(1), m_of(0)), m_cols[1] = _mm256_set_m128i(m_of(3), m_of(2));
+        dmin_cols[0] = _mm256_set_m128(dmin_of(1), dmin_of(0)), dmin_cols[1] = _mm256_set_m128(dmin_of(3), dmin_of(2));
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const A8Row row(a.xq + r * a.ldxq, a.K);
@@ -790,18 +800,26 @@ void a8_tile(const TileArgs& a) {
                                                 _mm256_loadu_ps(acc)));
         }
 #endif
-        if constexpr (Fmt::kHasMin) {  // per column: sum over sub-blocks of m * bsum (exact in int32),
-          // then mins -= (dmin * dx) * that: the NR columns side by side in one 4-lane vector
-          __m128i p[4];
-          alignas(16) float dmin[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma GCC unroll 4
-          for (int c = 0; c < 4; ++c) {
-            p[c] = c < NR ? _mm_madd_epi16(_mm_load_si128((const __m128i*)scales[c].m), bsum_lo) : _mm_setzero_si128();
-            if (c < NR) dmin[c] = scales[c].dmin;
+        if constexpr (Fmt::kHasMin) {
+#ifdef SG_A8_ZMM
+          __m512i sums = _mm512_madd_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(m_cols[0]), m_cols[1], 1),
+                                           _mm512_broadcast_i32x4(bsum_lo));  // 4 int32 per column
+          sums = _mm512_add_epi32(sums, _mm512_shuffle_epi32(sums, (_MM_PERM_ENUM)0x4e));
+          sums = _mm512_add_epi32(sums, _mm512_shuffle_epi32(sums, (_MM_PERM_ENUM)0xb1));  // each lane: its column's sum
+          const __m512 dm = _mm512_mul_ps(_mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(dmin_cols[0])), _mm256_castps_pd(dmin_cols[1]), 1)), _mm512_set1_ps(dx));
+          _mm512_storeu_ps(mins_of(r), _mm512_sub_ps(_mm512_loadu_ps(mins_of(r)), _mm512_mul_ps(dm, _mm512_cvtepi32_ps(sums))));
+#else
+          const __m256i bsum = _mm256_broadcastsi128_si256(bsum_lo);
+#pragma GCC unroll 2
+          for (int half = 0; half < 2; ++half) {  // columns 2 half, 2 half + 1
+            __m256i sums = _mm256_madd_epi16(m_cols[half], bsum);  // 4 int32 per column
+            sums = _mm256_add_epi32(sums, _mm256_shuffle_epi32(sums, 0x4e));
+            sums = _mm256_add_epi32(sums, _mm256_shuffle_epi32(sums, 0xb1));  // each lane: its column's sum
+            float* mins = mins_of(r) + 8 * half;
+            const __m256 dm = _mm256_mul_ps(dmin_cols[half], _mm256_set1_ps(dx));
+            _mm256_storeu_ps(mins, _mm256_sub_ps(_mm256_loadu_ps(mins), _mm256_mul_ps(dm, _mm256_cvtepi32_ps(sums))));
           }
-          const __m128i sums = _mm_hadd_epi32(_mm_hadd_epi32(p[0], p[1]), _mm_hadd_epi32(p[2], p[3]));  // column c in lane c
-          const __m128 dm = _mm_mul_ps(_mm_load_ps(dmin), _mm_set1_ps(dx));
-          _mm_storeu_ps(mins_of(r), _mm_sub_ps(_mm_loadu_ps(mins_of(r)), _mm_mul_ps(dm, _mm_cvtepi32_ps(sums))));
+#endif
         }
       }
     }
@@ -812,7 +830,7 @@ void a8_tile(const TileArgs& a) {
 #pragma GCC unroll 8
     for (int c = 0; c < NR; ++c) {
       float value = hsum256(_mm256_loadu_ps(acc_of(r, c)));
-      if constexpr (Fmt::kHasMin) value += mins_of(r)[c];
+      if constexpr (Fmt::kHasMin) value += mins_of(r)[4 * c];
       if (a.bias) value += a.bias[c];
       a.y[r * a.ldy + c] = value;
     }
