@@ -83,6 +83,32 @@ def test_tiny_quantized_gguf_runs_as_stored_and_equals_fp32_bitwise(quantized_gg
         assert a.tokens == b.tokens and len(a.tokens) > 0
 
 
+def test_blocks_are_read_into_huge_page_memory_with_the_file_bytes(quantized_gguf):
+    """The loader reads the blocks again with plain file reads into one 2 MiB-aligned buffer (the
+    kernel streams them every forward): the same bytes as safetensors' own reader, every tensor
+    on a 4 KiB boundary, and the modules compute on that memory."""
+    from safetensors.torch import load_file
+
+    from specdec.models.gguf import read_blocks_in_huge_pages
+
+    _, _, model_dir = quantized_gguf
+    weights_file = model_dir / "model.safetensors"
+    names = sorted(read_block_types(weights_file))
+    expected = load_file(weights_file)
+    read = read_blocks_in_huge_pages(weights_file, names)
+    assert sorted(read) == names
+    for name in names:
+        assert torch.equal(read[name], expected[name]), name
+        assert read[name].data_ptr() % 4096 == 0
+    base = min(tensor.data_ptr() for tensor in read.values())
+    assert base % (2 * 1024 * 1024) == 0
+    target = load_native(model_dir)
+    module = target.model.model.layers[0].self_attn.q_proj
+    assert isinstance(module, GGUFLinear) and torch.equal(module.weight, expected["model.layers.0.self_attn.q_proj.weight"])
+    with pytest.raises(KeyError, match="no tensor 'no.such.tensor'"):
+        read_blocks_in_huge_pages(weights_file, ["no.such.tensor"])
+
+
 def test_weights_option_errors_are_clear(quantized_gguf, tmp_path, monkeypatch):
     from conftest import make_tiny_hf_dir
 

@@ -229,6 +229,8 @@ def read_blocks_in_huge_pages(weights_file: Path | str, names) -> dict:
         data_start = 8 + header_len
         entries, total = [], 0
         for name in names:
+            if name not in header:
+                raise KeyError(f"{weights_file} holds no tensor {name!r}")
             info = header[name]
             if info["dtype"] != "U8":
                 raise ValueError(f"{weights_file}: block tensor {name} is {info['dtype']}, expected U8")
