@@ -52,8 +52,8 @@ ENV_ISA = "SPECDEC_KERNEL_ISA"
 NO_COMPILER = ("none", "0", "off", "false")
 # F16C (fp16 scales of GGUF blocks) comes with every AVX2 CPU
 ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx2", "-mfma", "-mf16c"), "avx2": ("-mavx2", "-mfma", "-mf16c")}
-# AVX-512 CPUs with VNNI: the int8-activation (gguf-a8) dot products use vpdpbusd (same results as
-# the AVX2 maddubs sequence, fewer instructions)
+# AVX-512 CPUs with VNNI (+BW): the int8-activation (gguf-a8) dot products use vpdpbusd / vpdpwssd,
+# K-quants 64 weights per zmm (same results as the AVX2 maddubs sequence, fewer instructions)
 VNNI_FLAGS = ("-mavx512vnni", "-mavx512vl", "-mavx512bw")
 VNNI_CPU_FLAGS = {"avx512_vnni", "avx512vl", "avx512bw"}
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-math-errno")

@@ -159,9 +159,9 @@ inline vec u8_with_high_bits_minus_16(__m128i low, uint32_t bits) {
 }
 #endif
 
-// ---- int8-activation (a8) helpers: 32 weights of a sub-block as 32 int8 lanes of a ymm.
-// These use 256-bit integer ops only, in both builds, so a8 results are bitwise the same for the
-// AVX2 and the AVX-512 build (integer dot products are exact; the float steps are identical).
+// ---- int8-activation (a8) helpers: 32 weights of a sub-block as 32 int8 lanes of a ymm (both
+// builds; the AVX-512 VNNI build runs the K-quants two sub-blocks per zmm, see SG_A8_ZMM). Integer
+// dot products are exact, so both builds give the a8 results bitwise the same.
 inline __m256i low_nibbles32(__m256i b) { return _mm256_and_si256(b, _mm256_set1_epi8(0x0f)); }
 inline __m256i high_nibbles32(__m256i b) { return _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(0x0f)); }
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
@@ -565,8 +565,9 @@ void micro_tile(const TileArgs& a) {
 // K-quants: the 6-bit / int8 sub-block scales multiply the exact integer dot products, so each
 // 256 weights cost one fp32 update: acc = fma(int32 lanes -> fp32, d_w * d, acc) (+ the min term
 // from bsum in integers). Then y = hsum(acc) + mins [+ bias]. Every output is one fixed
-// instruction sequence: bitwise batch invariant, and (256-bit integer ops in both builds) the
-// same bits on AVX2 and AVX-512 CPUs.
+// instruction sequence: bitwise batch invariant, and the same bits on AVX2 and AVX-512 CPUs: every
+// float step sees the same 8 int32 lanes per output (the AVX-512 K-quant path folds its 16 into
+// them first; integer sums are exact in any order).
 constexpr int kA8Sub = 32;
 inline int64_t a8_row_bytes(int64_t K) { return K + (K / kA8Sub) * (int64_t)(2 * sizeof(float) + sizeof(int16_t)); }
 
@@ -643,8 +644,8 @@ inline __m256i dot_u8_i8_scaled(__m256i acc, __m256i u, __m256i s, __m256i scale
 #endif
 }
 
-// The accumulators live in a.saved (8 lanes + the min sum per output): the K-quant path touches
-// them once per 256 weights, and keeping them out of registers leaves room for the integer sums.
+// The float accumulators live in a.saved (8 lanes + the min-term sum per output): the K-quant path
+// touches them once per 256 weights, and keeping them out of registers leaves room for the integer sums.
 template <typename Fmt, int MR, int NR>
 void a8_tile(const TileArgs& a) {
   // a.saved, per row r (kRowFloats floats): the 8 acc lanes of each column side by side (two
