@@ -10,7 +10,7 @@ GGUFLinear / GGUFEmbedding (gguf_linear.py) keep a GGUF file's quantized blocks 
 bitwise what the fp32 kernel computes on the dequantized weights.
 """
 
-from .gguf_linear import KERNEL_TYPES, GGUFEmbedding, GGUFLinear, huge_page_buffer, dequantize_blocks, gguf_module
+from .gguf_linear import KERNEL_TYPES, GGUFEmbedding, GGUFLinear, dequantize_blocks, gguf_module, huge_page_buffer
 from .skinny_gemm import (
     BACKENDS,
     CppSkinnyLinear,
@@ -39,10 +39,10 @@ __all__ = [
     "RowwiseTorchLinear",
     "TorchLinear",
     "cpu_isa",
-    "huge_page_buffer",
     "dequantize_blocks",
     "fast_linear_modules",
     "gguf_module",
+    "huge_page_buffer",
     "kernel_cache_dir",
     "load_library",
     "make_backend",
