@@ -344,6 +344,25 @@ inline void k_quant_a8_scales(const uint8_t* b, KQuantA8Scales& s) {
 struct Q4_KFormat {  // d, dmin fp16, scales[12], qs[128]: sub-block 2i / 2i+1 = low / high nibbles of qs[32i..32i+31]
   static constexpr int kBlock = 256, kBytes = 144;
   static constexpr bool kTail = false;
+#if defined(__AVX512F__)
+  // 16 lanes = the 16 values a 4-bit quant can take: per sub-block a table of (d * sc) * q - dmin * m
+  // for q = 0..15, computed with the same operations as per weight (so the same bits), and each
+  // weight vector is one vpermps lookup instead of cvt, mul and sub per 16 weights.
+  struct Scales { __m512 table[8]; };
+  static void prepare(const uint8_t* b, Scales& s) {
+    SubBlockScales sub;
+    k_quant_scales(b, sub);
+    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) s.table[i] = vsub(vmul(vset1(sub.d[i]), q), vset1(sub.dm[i]));
+  }
+  static vec load(const uint8_t* b, const Scales& s, int e) {  // vpermps reads the low 4 bits of each index
+    const int sub = e / 32;
+    __m512i index = _mm512_cvtepu8_epi32(load_bytes(b + 16 + 32 * (sub / 2) + e % 32));
+    if (sub % 2) index = _mm512_srli_epi32(index, 4);
+    return _mm512_permutexvar_ps(index, s.table[sub]);
+  }
+#else
   using Scales = SubBlockScales;
   static void prepare(const uint8_t* b, Scales& s) { k_quant_scales(b, s); }
   static vec load(const uint8_t* b, const Scales& s, int e) {  // (d * sc) * q - (dmin * m)
@@ -351,6 +370,7 @@ struct Q4_KFormat {  // d, dmin fp16, scales[12], qs[128]: sub-block 2i / 2i+1 =
     const __m128i q = nibbles(load_bytes(b + 16 + 32 * (sub / 2) + e % 32), sub % 2);
     return vsub(vmul(vset1(s.d[sub]), u8_to_vec(q)), vset1(s.dm[sub]));
   }
+#endif
   // a8 per super-block: d * sum_sub(sc * sum(q * a)) * dx - dmin * sum_sub(m * sum(a)) * dx
   static constexpr int kA8Block = 256;
   static constexpr bool kSigned = false, kHasMin = true;
