@@ -151,12 +151,20 @@ class SkinnyGemmLibrary:
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,  # blocks, K, ggml type
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # row ids (int64), count, out
         ]  # fmt: skip
+        lib.sg_attention.restype = ctypes.c_int
+        lib.sg_attention.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # q, k, v, kv strides
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # mask, B, H, Hkv
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,  # T, S, D, scale
+            ctypes.c_void_p, ctypes.c_int,  # out, threads
+        ]  # fmt: skip
         lib.sg_block_size.argtypes = lib.sg_block_bytes.argtypes = [ctypes.c_int]
         lib.sg_block_size.restype = lib.sg_block_bytes.restype = ctypes.c_int
         self._lib = lib
         self._linear = lib.sg_linear_f32
         self._linear_gguf = lib.sg_linear_gguf
         self._linear_i8 = lib.sg_linear_i8
+        self._attention = lib.sg_attention
         self.vector_width = int(lib.sg_vector_width())
         if lib.sg_isa().decode() != isa:
             raise KernelUnavailable(f"{path} was built for {lib.sg_isa().decode()}, expected {isa}")
@@ -255,6 +263,28 @@ class SkinnyGemmLibrary:
         scales = out[:, in_features : in_features + 4 * (in_features // 32)].contiguous().view(torch.float32)  # [M, K / 32]
         return out[:, :in_features].contiguous().view(torch.int8), scales[:, : in_features // block]
 
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Batch-invariant attention with the default 1/sqrt(D) scale: q [B, H, T, D]; keys, values
+        [B, H_kv, S, D] (rows of D contiguous: views of a KV cache are fine); mask [B, 1, T, S] bool
+        (True = may attend) or None -> [B, H, T, D]. Each query row is computed alone over the slots
+        it sees, in slot order (see sg_attention), so its bits do not depend on the other rows."""
+        batch, heads, num_new, head_dim = q.shape
+        kv_heads, span = keys.shape[1], keys.shape[2]
+        if keys.stride() != values.stride() or keys.stride()[2:] != (head_dim, 1):
+            keys, values = keys.contiguous(), values.contiguous()
+        q = q.contiguous()
+        if mask is not None:
+            mask = mask.expand(batch, 1, num_new, span).reshape(batch, num_new, span).to(torch.uint8).contiguous()
+        out = torch.empty_like(q)  # [B, H, T, D]
+        status = self._attention(
+            q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1),
+            None if mask is None else mask.data_ptr(), batch, heads, kv_heads, num_new, span, head_dim,
+            head_dim**-0.5, out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"attention kernel rejected q {tuple(q.shape)} keys {tuple(keys.shape)}")
+        return out
+
     def dequantize_rows(self, blocks: torch.Tensor, ggml_type: int, in_features: int, rows: torch.Tensor) -> torch.Tensor:
         """rows [...] int64 (checked in range by the caller) -> dequantized weight rows [..., K] fp32."""
         rows = rows.contiguous()
@@ -338,6 +368,12 @@ def _build(cxx: str, isa: str, cache_dir: Path) -> Path:
 # ---------------------------------------------------------------- backends
 
 
+def sdpa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """torch's attention: q [B, H, T, D], keys / values [B, H_kv, S, D], mask [B, 1, T, S] bool or
+    None -> [B, H, T, D]. Fast; a row's bits depend on how many query rows share the call."""
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+
 class TorchLinear:
     """F.linear: plain nn.Linear behaviour (MKL/oneDNN). Fast, not batch invariant."""
 
@@ -352,11 +388,14 @@ class TorchLinear:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
+    attention = staticmethod(sdpa_attention)
+
 
 class RowwiseTorchLinear:
     """Each row through its own 1-row F.linear: batch invariant without a compiler, k rows cost ~k x."""
 
     name = "rowwise"
+    attention = staticmethod(sdpa_attention)
 
     def __init__(self, compiler: str | None = None):
         pass
@@ -381,6 +420,15 @@ class _CompiledBackend:
 
     def __deepcopy__(self, memo):
         return self
+
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The kernel's batch-invariant attention for fp32 CPU inference (shapes as sdpa_attention);
+        anything else (other dtypes, autograd) -> torch's."""
+        if not (q.dtype is _FP32 and keys.dtype is _FP32 and q.is_cpu and keys.is_cpu) or (
+            torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad)
+        ):
+            return sdpa_attention(q, keys, values, mask)
+        return self.library.attention(q, keys, values, mask)
 
     def __reduce__(self):
         return (type(self), self._options)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.skinny_gemm import TorchLinear
 from ..kv_cache import KVCache
 from .base import Target
 
@@ -70,6 +71,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = qk_norm
+        self.kernels = TorchLinear()  # attention backend; load_native swaps in the batch-invariant kernel's
 
     def forward(self, x, cos, sin, cache: KVCache, layer_slot: int, mask, rows: "PackedRows | None" = None):
         batch, num_new, _ = x.shape  # x: [B, T, H]
@@ -82,7 +84,7 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         keys, values = cache.write(layer_slot, k, v)  # [B, H_kv, S, D]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [B, heads, T, D]
+        out = self.kernels.attention(q, keys, values, mask)  # [B, heads, T, D]
         return _packed(self.o_proj, out.transpose(1, 2).reshape(batch, num_new, -1), rows)
 
 
@@ -329,6 +331,8 @@ def load_native(
     inv_freq, model.attention_scaling = rope_inv_freq(cfg)
     model.inv_freq = inv_freq
     linear_info = fast_linear_modules(model, backend=backend.backend.name)  # the dense projections, if any
+    for layer in model.model.layers:  # with the kernel, attention rows are batch invariant too (sg_attention)
+        layer.self_attn.kernels = backend.backend
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     try:
         gen_cfg = GenerationConfig.from_pretrained(model_dir)

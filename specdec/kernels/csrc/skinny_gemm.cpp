@@ -28,6 +28,7 @@
 #include <condition_variable>
 #include <chrono>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -890,6 +891,7 @@ struct LinearJob {
   int64_t num_tiles;       // ceil(N / NR)
   void (*run_tiles)(const LinearJob&, int64_t, int64_t);
   const uint8_t* xq = nullptr;  // a8 mode: x quantized, M rows of a8_row_bytes(K)
+  const void* ctx = nullptr;    // jobs that are not a linear (attention): their own arguments
 };
 
 // Output columns [tile_begin, tile_end) * NR for every row: w is streamed once per row panel.
@@ -1074,6 +1076,8 @@ std::mutex g_pool_mu;            // one multi-threaded call at a time; others ru
 std::unique_ptr<Pool> g_pool;    // rebuilt when the thread count asked for changes
 std::atomic<int64_t> g_spin_us{50};
 
+int run_job(LinearJob& job, int num_threads, int64_t work);
+
 // Splits `job` over the thread pool (or runs it inline when small / the pool is busy).
 int run_linear(LinearJob& job, int num_threads) {
   // Keep a panel of x rows within ~512 KiB of L2 so each w tile is reused from cache across it;
@@ -1082,9 +1086,15 @@ int run_linear(LinearJob& job, int num_threads) {
   job.rows_per_panel = std::max<int64_t>(16, panel - panel % kMaxRowsPerTile);
   job.num_tiles = (job.N + kColsPerTile - 1) / kColsPerTile;
 
+  return run_job(job, num_threads, job.M * job.N * job.K);
+}
+
+// Runs job.run_tiles over [0, job.num_tiles) on the pool, or inline when `work` (multiply-adds)
+// is small or the pool is busy. Which thread runs a tile never changes its bits.
+int run_job(LinearJob& job, int num_threads, int64_t work) {
   // Little work: splitting costs more than it saves.
   const int threads = std::max(1, num_threads);
-  if (threads == 1 || job.num_tiles == 1 || job.M * job.N * job.K < (int64_t)1 << 18) {
+  if (threads == 1 || job.num_tiles == 1 || work < (int64_t)1 << 18) {
     job.run_tiles(job, 0, job.num_tiles);
     return 0;
   }
@@ -1103,6 +1113,111 @@ int run_linear(LinearJob& job, int num_threads) {
   // that each chunk streams a long contiguous run of w.
   g_pool->run(job, std::min<int64_t>(job.num_tiles, 8 * (int64_t)threads));
   return 0;
+}
+
+// ---------------------------------------------------------------- attention
+// Batch-invariant attention: out[b, h, t] = softmax(scale * q . k_s) @ v_s over the key slots s
+// that mask[b, t, s] lets query t see, each (b, h, t) computed alone by one fixed sequence:
+//     visible slots in slot order; score = hsum8(fma over D in 8-lane chunks) (+ scalar tail) * scale;
+//     m = max score; e = exp(score - m), summed in slot order; out = (sum_s e_s * v_s) / sum.
+// Masked slots are skipped, not added as zeros, so a row's result depends only on its own query
+// and the keys / values it sees, in order: the same whether it is a decode row, one of k verify
+// rows, a tree node (its ancestors come before it in slot order, as in plain decoding) or a row
+// of a ragged batch. 256-bit vectors in both ISA builds: the same bits on AVX2 and AVX-512 CPUs.
+// (torch's scaled_dot_product_attention blocks its GEMMs by the number of queries, so a row's
+// bits depend on how many rows share the call.)
+struct AttentionArgs {
+  const float* q;          // [B, H, T, D] contiguous
+  const float* k;          // [B, Hkv, S, D] with strides (b, h); rows of D contiguous
+  const float* v;
+  int64_t kv_stride_b, kv_stride_h;
+  const uint8_t* mask;     // [B, T, S] (1 = visible) or null (every slot visible)
+  int64_t B, H, Hkv, T, S, D;
+  float scale;
+  float* out;              // [B, H, T, D] contiguous
+};
+
+inline float dot_fixed(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float sum = hsum256(acc);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+constexpr int64_t kAttentionRows = 4;  // query rows per task: each key / value row is loaded once for them
+
+// One task = batch row b, KV head, and up to kAttentionRows consecutive queries: every key and value
+// row is read once for all the query heads sharing that KV head (GQA) and all the task's queries;
+// each (query head, query) keeps its own scores, sum and accumulator, in slot order as above.
+void attention_rows(const LinearJob& job, int64_t begin, int64_t end) {
+  const AttentionArgs& a = *(const AttentionArgs*)job.ctx;
+  const int64_t group = a.H / a.Hkv;  // query heads per KV head
+  const int64_t row_blocks = (a.T + kAttentionRows - 1) / kAttentionRows;
+  std::vector<float> scores((size_t)(kAttentionRows * group * a.S));  // [row][head][visible slot]
+  std::vector<float> acc((size_t)(kAttentionRows * group * a.D));     // [row][head][D]
+  for (int64_t task = begin; task < end; ++task) {  // task = (b * Hkv + kv_head) * row_blocks + block
+    const int64_t block = task % row_blocks, kv_head = task / row_blocks % a.Hkv, b = task / (row_blocks * a.Hkv);
+    const int64_t t0 = block * kAttentionRows, rows = std::min(kAttentionRows, a.T - t0);
+    const float* keys = a.k + b * a.kv_stride_b + kv_head * a.kv_stride_h;
+    const float* values = a.v + b * a.kv_stride_b + kv_head * a.kv_stride_h;
+    auto query = [&](int64_t r, int64_t g) { return a.q + ((b * a.H + kv_head * group + g) * a.T + t0 + r) * a.D; };
+    auto sees = [&](int64_t r, int64_t s) { return !a.mask || a.mask[(b * a.T + t0 + r) * a.S + s]; };
+    auto score_row = [&](int64_t r, int64_t g) { return scores.data() + (r * group + g) * a.S; };
+    int64_t count[kAttentionRows] = {0};
+    float max_score[kAttentionRows][64];  // group <= 64 (checked by the caller)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < group; ++g) max_score[r][g] = -INFINITY;
+    for (int64_t s = 0; s < a.S; ++s) {  // scores, each row over the slots it sees
+      const float* key = keys + s * a.D;
+      for (int64_t r = 0; r < rows; ++r) {
+        if (!sees(r, s)) continue;
+        for (int64_t g = 0; g < group; ++g) {
+          const float score = dot_fixed(query(r, g), key, a.D) * a.scale;
+          score_row(r, g)[count[r]] = score;
+          max_score[r][g] = std::max(max_score[r][g], score);
+        }
+        ++count[r];
+      }
+    }
+    float total[kAttentionRows][64];
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < group; ++g) {  // softmax numerators in place, summed in slot order
+        float* row = score_row(r, g);
+        float sum = 0.0f;
+        for (int64_t i = 0; i < count[r]; ++i) sum += (row[i] = std::exp(row[i] - max_score[r][g]));
+        total[r][g] = sum;
+      }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    int64_t cursor[kAttentionRows] = {0};
+    for (int64_t s = 0; s < a.S; ++s) {  // weighted values, slot order
+      const float* value = values + s * a.D;
+      for (int64_t r = 0; r < rows; ++r) {
+        if (!sees(r, s)) continue;
+        const int64_t i = cursor[r]++;
+        for (int64_t g = 0; g < group; ++g) {
+          const float weight = score_row(r, g)[i];
+          float* out = acc.data() + (r * group + g) * a.D;
+          const __m256 w8 = _mm256_set1_ps(weight);
+          int64_t d = 0;
+          for (; d + 8 <= a.D; d += 8)
+            _mm256_storeu_ps(out + d, _mm256_fmadd_ps(w8, _mm256_loadu_ps(value + d), _mm256_loadu_ps(out + d)));
+          for (; d < a.D; ++d) out[d] += weight * value[d];
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < group; ++g) {
+        float* out = a.out + ((b * a.H + kv_head * group + g) * a.T + t0 + r) * a.D;
+        const float* sum = acc.data() + (r * group + g) * a.D;
+        if (count[r] == 0) {  // a padding row of a ragged batch: nothing to see, its output is dropped
+          std::fill(out, out + a.D, 0.0f);
+          continue;
+        }
+        for (int64_t d = 0; d < a.D; ++d) out[d] = sum[d] / total[r][g];
+      }
+  }
 }
 
 bool bad_shape(const void* x, int64_t M, int64_t K, const void* w, int64_t N, const float* y, int* status) {
@@ -1218,6 +1333,23 @@ int sg_dequantize_rows(const uint8_t* w, int64_t K, int ggml_type, const int64_t
   const int64_t row_bytes = K / f->block * f->bytes;
   for (int64_t i = 0; i < n; ++i) f->dequantize_row(w + rows[i] * row_bytes, K, out + i * K);
   return 0;
+}
+
+// Attention (see AttentionArgs): q / out [B, H, T, D] contiguous; k, v [B, Hkv, S, D] with
+// strides kv_stride_b / kv_stride_h (floats) and rows of D contiguous; mask [B, T, S] bytes
+// (nonzero = visible) or null. H a multiple of Hkv. Returns 0, or 1 on bad arguments.
+int sg_attention(const float* q, const float* k, const float* v, int64_t kv_stride_b, int64_t kv_stride_h,
+                 const uint8_t* mask, int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t S, int64_t D,
+                 float scale, float* out, int num_threads) {
+  if (B < 0 || T < 0 || S < 0 || D <= 0 || H <= 0 || Hkv <= 0 || H % Hkv || H / Hkv > 64) return 1;
+  if (B == 0 || T == 0) return 0;
+  if (!q || !out || (S > 0 && (!k || !v))) return 1;
+  AttentionArgs args{q, k, v, kv_stride_b, kv_stride_h, mask, B, H, Hkv, T, S, D, scale, out};
+  LinearJob job{};
+  job.num_tiles = B * Hkv * ((T + kAttentionRows - 1) / kAttentionRows);
+  job.run_tiles = attention_rows;
+  job.ctx = &args;
+  return run_job(job, num_threads, job.num_tiles * S * D * 2);
 }
 
 }  // extern "C"

@@ -1,0 +1,148 @@
+"""The kernel's batch-invariant attention (sg_attention): each query row is computed alone over the
+key slots it may see, in slot order, so a row's bits never depend on the other rows of the call.
+
+Kernel level: it computes softmax(q k^T / sqrt(D)) v like torch's attention (scale-aware tolerance)
+for GQA, masks and KV-cache views, on both ISA builds, with the same bits on both; a row alone ==
+the same row among others, bitwise. Model level (SmolLM2, exact `gguf` and `gguf-a8` weights): the
+logits of k tokens in one verify forward, of a tree's nodes, and of a ragged batch row equal, bit
+for bit, those of decoding the same tokens one at a time. With torch's attention they do not (the
+a8 mode then drifts by ~0.5 in the logits, enough to change greedy output on Qwen2.5-Coder-1.5B).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_close_to_scale
+
+from specdec.kernels import CppSkinnyLinear, KernelUnavailable
+
+
+def isa_backend(isa: str) -> CppSkinnyLinear:
+    try:
+        return CppSkinnyLinear(isa=isa)
+    except KernelUnavailable as exc:
+        pytest.skip(f"{isa} kernel unavailable here: {exc}")
+
+
+@pytest.fixture(scope="module", params=["avx512", "avx2"])
+def backend(request):
+    return isa_backend(request.param)
+
+
+def random_case(batch=2, heads=6, kv_heads=2, new=5, committed=11, head_dim=20, seed=0):
+    """q [B, H, T, D], keys / values as views of a larger cache [B, H_kv, capacity, D], a mask [B, 1, T, S]."""
+    generator = torch.Generator().manual_seed(seed)
+    span = committed + new
+    q = torch.randn(batch, heads, new, head_dim, generator=generator)
+    store = torch.randn(2, batch, kv_heads, span + 7, head_dim, generator=generator) * 2  # spare slots: a view
+    keys, values = store[0, :, :, :span], store[1, :, :, :span]
+    mask = torch.ones(batch, 1, new, span, dtype=torch.bool)
+    mask[..., committed:] = torch.ones(new, new, dtype=torch.bool).tril()  # causal among the new tokens
+    mask[1, :, :, committed - 3 : committed] = False  # row 1 is shorter (a ragged batch)
+    return q, keys, values, mask
+
+
+def test_attention_matches_torch(backend):
+    q, keys, values, mask = random_case()
+    expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    assert_close_to_scale(backend.attention(q, keys, values, mask), expected, rel=1e-5, what="attention")
+    unmasked = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+    assert_close_to_scale(backend.attention(q, keys, values, None), unmasked, rel=1e-5, what="no mask")
+
+
+def test_each_row_is_bitwise_the_row_alone(backend):
+    q, keys, values, mask = random_case(new=7, head_dim=64)
+    together = backend.attention(q, keys, values, mask)  # [B, H, T, D]
+    for b in range(q.shape[0]):
+        for t in range(q.shape[2]):
+            alone = backend.attention(q[b : b + 1, :, t : t + 1], keys[b : b + 1], values[b : b + 1], mask[b : b + 1, :, t : t + 1])
+            assert torch.equal(alone[0, :, 0], together[b, :, t]), (b, t)
+    # a row sees the same slots with or without extra hidden slots after them: same bits
+    visible = int(mask[0, 0, 0].sum())
+    short = backend.attention(q[:1, :, :1], keys[:1, :, :visible], values[:1, :, :visible], None)
+    assert torch.equal(short[0, :, 0], together[0, :, 0])
+    # a fully hidden row (padding of a ragged batch) is zeros, not NaN
+    hidden = torch.zeros_like(mask[:1, :, :1])
+    assert torch.equal(backend.attention(q[:1, :, :1], keys[:1], values[:1], hidden), torch.zeros_like(q[:1, :, :1]))
+
+
+def test_attention_bits_are_the_same_on_both_builds():
+    q, keys, values, mask = random_case(head_dim=72, seed=3)  # 72 = 9 vectors of 8: no scalar tail
+    avx512, avx2 = isa_backend("avx512"), isa_backend("avx2")
+    assert torch.equal(avx512.attention(q, keys, values, mask), avx2.attention(q, keys, values, mask))
+
+
+def test_autograd_and_other_dtypes_fall_back_to_torch(backend):
+    q, keys, values, mask = random_case()
+    q.requires_grad_(True)
+    out = backend.attention(q, keys, values, mask)
+    out.sum().backward()  # torch's attention ran: it has a backward
+    assert q.grad is not None
+    half = backend.attention(q.detach().bfloat16(), keys.bfloat16(), values.bfloat16(), mask)
+    assert half.dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------- whole model
+PROMPT = "The quick brown fox jumps over the lazy dog because it wants to see what is on the other side"
+
+
+@pytest.fixture(scope="module", params=["gguf", "gguf-a8"])
+def smollm2(request):
+    from specdec.api import load_target
+
+    target = load_target("smollm2-135m", progress=False, weights=request.param)
+    if target.linear_backend != "cpp":
+        pytest.skip("the batch-invariance contract needs the compiled kernel (SPECDEC_LINEAR=torch here)")
+    return target
+
+
+def _prefilled(target, ids, length, batch=1):
+    cache = target.new_cache(batch, 256)
+    target.forward(ids[:, :length].expand(batch, -1), torch.arange(length)[None].expand(batch, -1), cache)
+    return cache
+
+
+def _decode_one_by_one(target, ids, start, stop):
+    """Logits [stop - start, V] of ids[start:stop] decoded one token per forward after a prefill."""
+    cache = _prefilled(target, ids, start)
+    return torch.stack([target.forward(ids[:, i : i + 1], torch.tensor([[i]]), cache)[0][0, 0] for i in range(start, stop)])
+
+
+@pytest.mark.slow
+def test_verify_rows_are_bitwise_decode_rows(smollm2):
+    ids = smollm2.tokenizer(PROMPT, return_tensors="pt").input_ids  # [1, P]
+    start, stop = ids.shape[1] - 6, ids.shape[1]
+    decoded = _decode_one_by_one(smollm2, ids, start, stop)
+    cache = _prefilled(smollm2, ids, start)
+    verified = smollm2.forward(ids[:, start:stop], torch.arange(start, stop)[None], cache)[0][0]
+    for j in range(stop - start):
+        assert torch.equal(verified[j], decoded[j]), f"row {j}: max diff {float((verified[j] - decoded[j]).abs().max())}"
+
+
+@pytest.mark.slow
+def test_tree_and_ragged_batch_rows_are_bitwise_decode_rows(smollm2):
+    ids = smollm2.tokenizer(PROMPT, return_tensors="pt").input_ids
+    start = ids.shape[1] - 3
+    decoded = _decode_one_by_one(smollm2, ids, start, start + 3)  # the path a, b, c
+    # tree: node 0 = a; node 1 = a sibling of b (an other token), node 2 = b, node 3 = c (child of b)
+    tokens = torch.tensor([[int(ids[0, start]), 42, int(ids[0, start + 1]), int(ids[0, start + 2])]])
+    parents = [-1, 0, 0, 2]
+    tree_mask = torch.zeros(4, 4, dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        tree_mask[node, node] = True
+        while parent >= 0:
+            tree_mask[node, parent] = True
+            parent = parents[parent]
+    positions = torch.tensor([[start, start + 1, start + 1, start + 2]])
+    cache = _prefilled(smollm2, ids, start)
+    tree_logits = smollm2.forward(tokens, positions, cache, tree_mask[None])[0][0]
+    for node, j in [(0, 0), (2, 1), (3, 2)]:
+        assert torch.equal(tree_logits[node], decoded[j]), f"tree node {node}"
+    # ragged batch: row 0 is the sequence above, row 1 a shorter one (2 tokens fewer committed)
+    cache = _prefilled(smollm2, ids, start, batch=2)
+    cache.truncate(torch.tensor([start, start - 2]))
+    rows = torch.stack([ids[0, start : start + 3], ids[0, start - 2 : start + 1]])  # [2, 3]
+    positions = torch.stack([torch.arange(start, start + 3), torch.arange(start - 2, start + 1)])
+    batch_logits = smollm2.forward(rows, positions, cache)[0]
+    for j in range(3):
+        assert torch.equal(batch_logits[0, j], decoded[j]), f"batch row 0, token {j}"
