@@ -10,6 +10,11 @@ records per request: time to first token, end-to-end time, completion tokens. It
 
     python scripts/load_bench.py --model smollm2-135m --drafter pld --concurrency 1,2,4,8 --max-tokens 128
 
+A configuration `speculative:G` fixes that server's gamma (G = auto or an int) instead of --gamma, so one
+run compares the same drafter at several gammas, e.g. `--configs plain,speculative:8,speculative:auto`.
+At temperature 0 every request's text is compared with plain decoding's answer to the same prompt (the
+plain configuration runs first; a mismatch is counted per row and makes the exit code 1).
+
 Soak mode (`--soak-seconds S`): one server (the first of --configs), max(--concurrency) clients for S
 seconds, each mixing full streams, streams it abandons after a few chunks, and non-streamed
 requests; the server's RSS is sampled every few seconds. It writes OUT/soak.json (requests served,
@@ -63,6 +68,7 @@ class RequestResult:
     completion_tokens: int
     status: int
     error: str | None = None
+    text: str = ""
 
     @property
     def latency_s(self) -> float:
@@ -90,12 +96,19 @@ def http_json(port: int, method: str, path: str, body=None, timeout: float = 600
         connection.close()
 
 
+def config_gamma(config: str, default_gamma: str) -> str | None:
+    """The gamma of a configuration: None for plain, G for `speculative:G`, --gamma for `speculative`."""
+    kind, _, gamma = config.partition(":")
+    return None if kind == "plain" else gamma or default_gamma
+
+
 def start_server(args, config: str, port: int, log_path: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "specdec.cli", "serve", "--model", args.model, "--port", str(port),
                "--max-running", str(max(args.concurrency)), "--max-model-len", str(args.max_model_len),
                "--log-level", "warning"]
-    if config == "speculative":
-        command += ["--drafter", args.drafter, "--gamma", args.gamma]
+    gamma = config_gamma(config, args.gamma)
+    if gamma is not None:
+        command += ["--drafter", args.drafter, "--gamma", gamma]
         for pair in args.drafter_arg:
             command += ["--drafter-arg", pair]
     env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
@@ -133,7 +146,7 @@ def stream_chat(port: int, model: str, prompt: str, max_tokens: int, temperature
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    first_token, tokens, status, error = None, 0, 0, None
+    first_token, tokens, status, error, pieces = None, 0, 0, None, []
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     try:
         connection.request("POST", "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
@@ -150,15 +163,17 @@ def stream_chat(port: int, model: str, prompt: str, max_tokens: int, temperature
                 if "error" in chunk:
                     error = chunk["error"]["message"]
                     break
-                if first_token is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                content = "".join(c.get("delta", {}).get("content") or "" for c in chunk.get("choices", []))
+                if first_token is None and content:
                     first_token = time.perf_counter()
+                pieces.append(content)
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
     except OSError as failure:
         error = f"{type(failure).__name__}: {failure}"
     finally:
         connection.close()
-    return RequestResult(user, prompt_index, start, first_token, time.perf_counter(), tokens, status, error)
+    return RequestResult(user, prompt_index, start, first_token, time.perf_counter(), tokens, status, error, "".join(pieces))
 
 
 def abandoned_stream(port: int, model: str, prompt: str, max_tokens: int, chunks: int) -> str:
@@ -262,6 +277,13 @@ def scrape(port: int) -> dict[str, float]:
     return samples
 
 
+def count_mismatches(results: list[RequestResult], reference: dict[int, str]) -> tuple[int, int]:
+    """(compared, differing): successful requests whose prompt has a reference answer, and those whose
+    text is not that answer (greedy speculation must reproduce plain decoding exactly)."""
+    compared = [r for r in results if r.error is None and r.prompt_index in reference]
+    return len(compared), sum(r.text != reference[r.prompt_index] for r in compared)
+
+
 def run_level(args, port: int, model: str, concurrency: int) -> tuple[dict, list[RequestResult]]:
     """`concurrency` users, each sending requests back to back; returns the summary row and raw results."""
 
@@ -326,13 +348,21 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(figure)
 
 
+def valid_config(config: str) -> bool:
+    kind, sep, gamma = config.partition(":")
+    if kind == "plain":
+        return not sep
+    return kind == "speculative" and (not sep or gamma == "auto" or (gamma.isdigit() and int(gamma) >= 1))
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--drafter", default="pld", help="drafter of the speculative configuration")
     parser.add_argument("--drafter-arg", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--gamma", default="auto", help="'auto' (load-aware cost model) or a fixed int")
-    parser.add_argument("--configs", default="plain,speculative", help="comma list of: plain, speculative")
+    parser.add_argument("--configs", default="plain,speculative",
+                        help="comma list of: plain, speculative (at --gamma), speculative:GAMMA")
     parser.add_argument("--concurrency", default="1,2,4,8", help="comma list of concurrent users")
     parser.add_argument("--requests-per-user", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -351,9 +381,10 @@ def parse_args(argv=None):
     if not args.concurrency or min(args.concurrency) < 1:
         parser.error("--concurrency needs positive integers")
     args.configs = [c for c in args.configs.split(",") if c]
-    unknown = set(args.configs) - {"plain", "speculative"}
-    if unknown or not args.configs:
-        parser.error(f"--configs takes plain and/or speculative, got {args.configs}")
+    if not args.configs or not all(valid_config(c) for c in args.configs):
+        parser.error(f"--configs takes plain, speculative and speculative:GAMMA (GAMMA auto or an int >= 1), got {args.configs}")
+    if len(set(args.configs)) != len(args.configs):
+        parser.error(f"--configs lists a configuration twice: {args.configs}")
     if args.requests_per_user < 1 or args.max_tokens < 1:
         parser.error("--requests-per-user and --max-tokens must be >= 1")
     return args
@@ -388,7 +419,9 @@ def main(argv=None) -> int:
     if args.soak_seconds > 0:
         return main_soak(args, out)
     rows, raw = [], []
-    for config in args.configs:
+    reference: dict[int, str] = {}  # prompt index -> plain decoding's greedy answer
+    configs = sorted(args.configs, key=lambda c: c != "plain")  # plain first: the reference answers
+    for config in configs:
         port = free_port()
         process = start_server(args, config, port, out / f"server_{config}.log")
         try:
@@ -398,20 +431,26 @@ def main(argv=None) -> int:
             for concurrency in args.concurrency:
                 row, results = run_level(args, port, model, concurrency)
                 row["config"] = config
+                if args.temperature == 0 and config == "plain":
+                    reference.update({r.prompt_index: r.text for r in results if r.error is None})
+                if args.temperature == 0 and config != "plain":
+                    row["compared_with_plain"], row["differ_from_plain"] = count_mismatches(results, reference)
                 rows.append(row)
                 raw += [{"config": config, "concurrency": concurrency, **asdict(r)} for r in results]
                 print(f"{config:12s} c={concurrency:<3d} per-user {row['per_user_tokens_per_s_mean']:7.2f} tok/s  "
                       f"total {row['total_tokens_per_s']:7.2f} tok/s  ttft {row['ttft_s_mean'] or 0:.2f}s  "
-                      f"errors {row['errors']}", flush=True)
+                      f"errors {row['errors']}"
+                      + (f"  differ from plain {row['differ_from_plain']}/{row['compared_with_plain']}"
+                         if "differ_from_plain" in row else ""), flush=True)
         finally:
             stop_server(process)
     meta = {key: getattr(args, key) for key in ("model", "drafter", "drafter_arg", "gamma", "concurrency",
                                                  "requests_per_user", "max_tokens", "temperature", "max_model_len")}
     meta["cpu_count"] = os.cpu_count()
     (out / "load_bench.json").write_text(json.dumps({"meta": meta, "results": rows, "requests": raw}, indent=2))
-    plot(rows, out / "load_bench.png", f"{args.model}: plain vs {args.drafter} (gamma {args.gamma})")
+    plot(rows, out / "load_bench.png", f"{args.model}: plain vs {args.drafter}")
     print(f"wrote {out / 'load_bench.json'} and {out / 'load_bench.png'}")
-    return 1 if any(row["errors"] for row in rows) else 0
+    return 1 if any(row["errors"] or row.get("differ_from_plain") for row in rows) else 0
 
 
 if __name__ == "__main__":
