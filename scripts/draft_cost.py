@@ -1,0 +1,90 @@
+"""Per-step draft cost of block drafters (DSpark, DFlash) vs EAGLE-3's per-depth forwards, on one target.
+
+Each drafter is built untrained (the cost of a forward does not depend on the weights), saved and
+loaded back through its real constructor (so the draft vocabulary is the default 8192 rows of the
+target's LM head, as for a trained checkpoint), and run through the loop at a fixed gamma. Untrained
+drafts are rejected, so every step drafts its full budget: the loop's draft time per verify step is
+the cost of one proposal (+ absorbing the step's new context rows). Plain decoding's verify time per
+step in the same process gives T(1), so the costs are also reported in units of T(1).
+
+    python scripts/draft_cost.py --model qwen2.5-coder-1.5b --max-new-tokens 24
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import tempfile  # noqa: E402
+
+import torch  # noqa: E402
+
+from specdec import generate, load_target, make_drafter  # noqa: E402
+from specdec.heads import build_heads  # noqa: E402
+from specdec.heads.checkpoint import save_checkpoint, target_description  # noqa: E402
+
+PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
+
+
+def per_step_ms(target, drafter, max_new_tokens: int, gamma) -> dict:
+    """One run after a warm-up: draft and verify milliseconds per verify step."""
+    generate(target, PROMPT, drafter, max_new_tokens=4, gamma=gamma)  # warm-up (allocations, kernel builds)
+    stats = generate(target, PROMPT, drafter, max_new_tokens=max_new_tokens, gamma=gamma).stats
+    steps = max(1, stats.steps)
+    return {"steps": stats.steps, "tau": stats.tau, "draft_ms": 1e3 * stats.time_draft_s / steps,
+            "verify_ms": 1e3 * stats.time_verify_s / steps, "drafted_per_step": stats.drafted_tokens / steps}
+
+
+def untrained_drafter(target, kind: str, directory: str, num_positions: int, **options):
+    heads = build_heads(kind, target, num_positions, **options)
+    ranking = {"draft_vocab": {"ids": list(range(target.vocab_size))}}  # any ranking: only its size matters for cost
+    save_checkpoint(directory, heads, target_description(target), ranking)
+    return heads
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--block-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--eagle-depths", default="1,4,8", help="EAGLE-3 chain lengths to time")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    target = load_target(args.model, progress=False)
+    rows = {}
+    plain = per_step_ms(target, None, args.max_new_tokens, None)
+    t1 = plain["verify_ms"]
+    rows["plain"] = plain
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind, positions, options in (("dspark", args.block_size, {"block_size": args.block_size}),
+                                         ("dflash", args.block_size - 1, {"block_size": args.block_size})):
+            directory = os.path.join(tmp, kind)
+            untrained_drafter(target, kind, directory, positions, **options)
+            drafter = make_drafter(kind, target, checkpoint=directory)
+            rows[f"{kind} block {args.block_size}"] = per_step_ms(target, drafter, args.max_new_tokens, positions)
+            del drafter
+        directory = os.path.join(tmp, "eagle3")
+        depths = [int(d) for d in args.eagle_depths.split(",")]
+        untrained_drafter(target, "eagle3", directory, max(depths))
+        for depth in depths:
+            drafter = make_drafter("eagle3", target, checkpoint=directory, tree=False, gamma=depth)
+            rows[f"eagle3 chain {depth}"] = per_step_ms(target, drafter, args.max_new_tokens, depth)
+        drafter = make_drafter("eagle3", target, checkpoint=directory)
+        rows["eagle3 tree (default)"] = per_step_ms(target, drafter, args.max_new_tokens, None)
+    print(f"{args.model}: T(1) = {t1:.1f} ms (plain decoding's verify per step, this process)")
+    print(f"{'config':24s} {'drafted':>8s} {'draft ms':>9s} {'/T(1)':>6s} {'verify ms':>10s} {'/T(1)':>6s}")
+    for name, row in rows.items():
+        print(f"{name:24s} {row['drafted_per_step']:8.1f} {row['draft_ms']:9.1f} {row['draft_ms'] / t1:6.2f} "
+              f"{row['verify_ms']:10.1f} {row['verify_ms'] / t1:6.2f}")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"model": args.model, "t1_ms": t1, "rows": rows}, out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
