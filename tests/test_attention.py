@@ -13,20 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_close_to_scale
-
-from specdec.kernels import CppSkinnyLinear, KernelUnavailable
-
-
-def isa_backend(isa: str) -> CppSkinnyLinear:
-    try:
-        return CppSkinnyLinear(isa=isa)
-    except KernelUnavailable as exc:
-        pytest.skip(f"{isa} kernel unavailable here: {exc}")
-
-
-@pytest.fixture(scope="module", params=["avx512", "avx2"])
-def backend(request):
-    return isa_backend(request.param)
+from test_quant_a8 import backend, isa_backend  # noqa: F401  (backend: the kernel of each ISA build, a fixture)
 
 
 def random_case(batch=2, heads=6, kv_heads=2, new=5, committed=11, head_dim=20, seed=0):
