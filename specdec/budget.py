@@ -220,13 +220,17 @@ class AutoBudget:
       estimate is the prior of new sequences, so a drafter that failed on earlier requests
       under this policy (a server's lifetime, a bench method) starts cautious.
 
-    A drafter that scores its own positions (`gives_confidences`, Draft.confidences) is not
-    planned from estimates: it drafts its full block, and `verify_prefixes` cuts every running
-    sequence's chain to the prefix worth verifying (specdec.schedule.admit, one call across
-    the batch). `use_confidences=False` plans such a drafter like any other.
+    A drafter that scores its own positions (`gives_confidences`, Draft.confidences) drafts its
+    full block whenever drafting is expected to pay at all (the estimates and probes above), and
+    `verify_prefixes` cuts every running sequence's chain to the prefix worth verifying
+    (specdec.schedule.admit, one call across the batch). `use_confidences=False` plans such a
+    drafter like any other.
+
+    `draft_ms_per_token`: a fixed drafting cost per draft token (ms); None (default) measures it
+    per sequence, starting from the drafter's `draft_cost_tokens()` prior.
     """
 
-    def __init__(self, cost: CostTable, max_budget: int = 12, draft_ms_per_token: float = 0.0, probe_every: int = 8,
+    def __init__(self, cost: CostTable, max_budget: int = 12, draft_ms_per_token: float | None = None, probe_every: int = 8,
                  max_probe_every: int = 64, payback_fraction: float = 0.5, use_confidences: bool = True):
         check_int("max_budget", max_budget, 0)
         if not 1 <= probe_every <= max_probe_every:
@@ -237,7 +241,9 @@ class AutoBudget:
         self.limit = max_budget
         self.use_confidences = use_confidences
         self.payback_fraction = payback_fraction
-        self.draft_ms_prior = draft_ms_per_token
+        if draft_ms_per_token is not None and draft_ms_per_token < 0:
+            raise ValueError(f"draft_ms_per_token must be >= 0 ms, got {draft_ms_per_token}")
+        self.draft_ms_fixed = draft_ms_per_token
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.population = AcceptanceTracker(decay=0.99)  # outcomes of every sequence this policy served
         self._trackers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> tracker
@@ -254,11 +260,14 @@ class AutoBudget:
         return tracker
 
     def _draft_ms_per_token(self, seq) -> float:
-        """Running estimate of drafting cost per draft token (ms); the drafter's prior until measured."""
+        """Drafting cost per draft token (ms): `draft_ms_per_token` when given, else the running
+        measurement (the drafter's own prior until there is one)."""
+        if self.draft_ms_fixed is not None:
+            return self.draft_ms_fixed
         measured = self._draft_ms.get(seq)
         if measured is not None:
             return measured
-        return self.draft_ms_prior or seq.drafter.draft_cost_tokens() * self.cost.t(1)
+        return seq.drafter.draft_cost_tokens() * self.cost.t(1)
 
     def catch_up_ms(self, seq) -> float:
         """One-off cost (ms) of the drafter feeding committed tokens it has not seen yet; the root
@@ -307,7 +316,9 @@ class AutoBudget:
 
     def plan(self, seqs) -> list[int]:
         if any(self.schedules(seq.drafter) for seq in seqs):
-            return [self.max_budget_for(seq.drafter) for seq in seqs]
+            others = len(seqs) - 1
+            return [self._block(seq, others) if self.schedules(seq.drafter) else self.max_budget_for(seq.drafter)
+                    for seq in seqs]
         drafting = [seq for seq in seqs if seq.drafter is not None]
         if len(drafting) <= 1:
             return [self._single(seq, len(seqs) - 1) if seq.drafter is not None else 0 for seq in seqs]
@@ -321,6 +332,14 @@ class AutoBudget:
             budget if budget == 0 or self.pays_back(seq, budget, total - budget - 1) else 0
             for seq, budget in zip(seqs, budgets)
         ]
+
+    def _block(self, seq, others: int) -> int:
+        """A drafter that scores its own positions drafts its whole block (verify_prefixes then cuts
+        it) when drafting is expected to pay at all, by the same estimates, probes and catch-up rule
+        as any other drafter (`_single`); otherwise nothing this step. The block forward costs its
+        time however little of the block is verified, so a drafter that is rarely accepted must not
+        draft every step (the cut alone only saves verify time)."""
+        return self.max_budget_for(seq.drafter) if self._single(seq, others) > 0 else 0
 
     def _single(self, seq, others: int) -> int:
         limit = self.max_budget_for(seq.drafter)

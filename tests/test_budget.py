@@ -155,3 +155,22 @@ def test_confidence_drafts_get_full_blocks_then_one_scheduler_call_cuts_them():
     off = AutoBudget(TABLE, max_budget=8, use_confidences=False)
     assert off.verify_prefixes(seqs, drafts) == drafts and off.max_budget_for(seqs[0].drafter) == 8
     assert FixedBudget(4).verify_prefixes(seqs, drafts) == drafts
+
+
+def test_a_confidence_drafter_that_is_never_accepted_stops_drafting_and_probes():
+    """The block forward costs the same however much of it is verified, so drafting its block must
+    pay by itself: after rejected blocks the policy plans plain steps, then probes with a block."""
+    policy = AutoBudget(TABLE, max_budget=8, draft_ms_per_token=20.0, probe_every=4, max_probe_every=16)
+    seq = make_seq(ScoringStub(0, 0.1, default_budget=4))
+    assert policy.plan([seq]) == [4]  # the prior says drafting may pay: the whole block
+    for _ in range(12):
+        policy.observe(seq, 4, 0)  # every verified block rejected at its first token
+    plans = [policy.plan([seq])[0] for _ in range(12)]
+    assert set(plans) == {0, 4}, plans  # plain steps and whole-block probes, nothing in between
+    assert plans[:3] == [0, 0, 0] and plans.count(4) <= 3
+    # the same drafter, accepted: drafting pays again
+    for _ in range(30):
+        policy.observe(seq, 4, 4)
+    assert policy.plan([seq]) == [4]
+    with pytest.raises(ValueError, match="draft_ms_per_token"):
+        AutoBudget(TABLE, draft_ms_per_token=-1.0)

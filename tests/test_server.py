@@ -377,7 +377,8 @@ def test_server_schedules_confidence_drafts_across_its_running_requests(smollm2)
     calls = []
     table = CostTable({}, [1, 2, 4, 8, 16, 64], [11.0, 12.0, 14.0, 18.0, 26.0, 74.0])
     drafter = make_drafter("tempered", smollm2, gamma=4, draft_temperature=0.7)
-    app = create_app(smollm2, drafter, budget_policy=RecordingPolicy(table), max_running=4, max_model_len=MAX_MODEL_LEN)
+    policy = RecordingPolicy(table, draft_ms_per_token=0.0)  # the test drafter runs the target: price it at zero
+    app = create_app(smollm2, drafter, budget_policy=policy, max_running=4, max_model_len=MAX_MODEL_LEN)
     with running_server(app) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
