@@ -178,6 +178,32 @@ def test_get_or_measure_uses_cache_until_refresh(tmp_path, monkeypatch):
     assert target.forwards > forwards
 
 
+def test_a_disturbed_table_is_measured_again_not_used(tmp_path, monkeypatch):
+    """A table whose T(3) < T(1) (timed while the CPU was busy) is neither trusted from the cache
+    nor kept as measured while another measurement can fix it: each k keeps its fastest median."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    clock = FakeClock()
+    target = ClockedTarget(clock, base_ms=50.0, per_token_ms=1.0)
+    good = get_or_measure(target, ks=(1, 2, 3), prefix_len=8, repeats=1, timer=clock, progress=False)
+    assert good.plausible() and good.ms == pytest.approx([51.0, 52.0, 53.0])
+    CostTable(good.key, [1, 2, 3], [232.0, 131.0, 84.0]).save(default_cache_path(good.key))  # what a busy CPU left
+    forwards = target.forwards
+    again = get_or_measure(target, ks=(1, 2, 3), prefix_len=8, repeats=1, timer=clock, progress=False)
+    assert target.forwards > forwards and again.ms == pytest.approx([51.0, 52.0, 53.0])  # re-measured, not loaded
+    assert CostTable.load(default_cache_path(good.key)).ms == pytest.approx([51.0, 52.0, 53.0])
+
+    class BusyOnce(ClockedTarget):  # the first k=1 forwards run slow (another job), later ones do not
+        def forward(self, tokens, positions, cache, attn_mask=None, hidden_layers=()):
+            out = super().forward(tokens, positions, cache, attn_mask, hidden_layers)
+            if self.forwards <= 3 and tokens.shape[1] == 1:
+                self.clock.now += 0.5
+            return out
+
+    busy = BusyOnce(clock, base_ms=50.0, per_token_ms=1.0)
+    measured = get_or_measure(busy, ks=(1, 2), prefix_len=8, repeats=1, timer=clock, progress=False, refresh=True)
+    assert measured.ms == pytest.approx([51.0, 52.0])  # the slow first k=1 median was replaced by the second attempt's
+
+
 # ---------------------------------------------------------------------------- choosers
 
 
