@@ -18,6 +18,19 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 FLOAT32_REL = 1e-4
 
 
+def kernel_is_on() -> bool:
+    """Whether the native runtime gets the compiled kernel here (SPECDEC_LINEAR=torch turns it off;
+    so does a machine without a compiler): GGUF block weights and the bitwise contracts need it."""
+    from specdec.kernels import make_backend
+
+    return make_backend().backend.name == "cpp"
+
+
+def skip_without_kernel() -> None:
+    if not kernel_is_on():
+        pytest.skip("needs the compiled kernel (off here: SPECDEC_LINEAR=torch or no compiler)")
+
+
 def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, rel: float = FLOAT32_REL,
                           what: str = "values") -> None:
     """max |actual - expected| <= rel * max |expected|: a tolerance that scales with the values."""

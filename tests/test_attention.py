@@ -12,7 +12,7 @@ a8 mode then drifts by ~0.5 in the logits, enough to change greedy output on Qwe
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_close_to_scale
+from conftest import assert_close_to_scale, skip_without_kernel
 from test_quant_a8 import backend, isa_backend  # noqa: F401  (backend: the kernel of each ISA build, a fixture)
 
 
@@ -77,10 +77,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog because it wants to see wh
 def smollm2(request):
     from specdec.api import load_target
 
-    target = load_target("smollm2-135m", progress=False, weights=request.param)
-    if target.linear_backend != "cpp":
-        pytest.skip("the batch-invariance contract needs the compiled kernel (SPECDEC_LINEAR=torch here)")
-    return target
+    skip_without_kernel()  # the batch-invariance contract (and GGUF blocks) need the kernel
+    return load_target("smollm2-135m", progress=False, weights=request.param)
 
 
 def _prefilled(target, ids, length, batch=1):

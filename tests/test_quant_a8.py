@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from conftest import skip_without_kernel
 from test_quant_kernel import QUANTIZE_SUPPORTED, quantized_blocks, random_blocks
 
 from specdec import generate, make_drafter
@@ -157,6 +158,7 @@ PROMPTS = [
 def smollm2_a8():
     from specdec.api import load_target
 
+    skip_without_kernel()
     return load_target("smollm2-135m", progress=False, weights="gguf-a8")
 
 

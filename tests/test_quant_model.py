@@ -7,12 +7,13 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from specdec import generate, load_target
-from specdec.kernels import GGUFEmbedding, GGUFLinear, KernelUnavailable, make_backend
+from specdec.kernels import GGUFEmbedding, GGUFLinear
 from specdec.models.gguf import read_block_types, read_gguf_state_dict
 from specdec.models.hf import HFTarget
 from specdec.models.llama import load_native
 from specdec.models.registry import resolve_model_dir
 
+from conftest import skip_without_kernel
 from test_registry import tiny_model, write_tiny_gguf
 
 PROMPTS = [
@@ -23,10 +24,7 @@ PROMPTS = [
 
 @pytest.fixture(autouse=True)
 def kernel_or_skip():
-    try:
-        make_backend("cpp")
-    except KernelUnavailable as exc:
-        pytest.skip(f"compiled kernel unavailable here: {exc}")
+    skip_without_kernel()  # GGUF blocks run in the kernel (SPECDEC_LINEAR=torch turns it off)
 
 
 def quant_types(arch, model):
