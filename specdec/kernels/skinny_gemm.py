@@ -274,7 +274,7 @@ class SkinnyGemmLibrary:
             keys, values = keys.contiguous(), values.contiguous()
         q = q.contiguous()
         if mask is not None:
-            mask = mask.expand(batch, 1, num_new, span).reshape(batch, num_new, span).to(torch.uint8).contiguous()
+            mask = mask.expand(batch, 1, num_new, span).reshape(batch, num_new, span).contiguous()  # bool: one byte, 0 or 1
         out = torch.empty_like(q)  # [B, H, T, D]
         status = self._attention(
             q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1),
