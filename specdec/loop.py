@@ -140,6 +140,8 @@ class SpecBatch:
             first = int(sample_from_probs(probs, seq.ctx.generator))
             seq.stats.record_prefill(1)
             seq.ctx.new_hidden = {layer: h[row, : lengths[row]] for layer, h in hiddens.items()}
+            if seq.drafter is not None and seq.drafter.wants_node_logits:
+                seq.ctx.all_node_logits = logits[row, : lengths[row]]  # the prompt rows
             seq.last_committed = _commit(seq, [first], self.target, self.eos_ids)
             if seq.drafter is not None:
                 seq.drafter.on_verified(VerifyResult([first], 0, []), seq.ctx)
@@ -189,12 +191,12 @@ class SpecBatch:
             max_depth = int(draft.depths.max()) if len(draft) else 0
             seq.stats.record_step(len(draft), result.num_accepted, len(seq.last_committed), max_depth)
             self.policy.observe(seq, max_depth, result.num_accepted)
-            if seq.drafter is not None and not seq.done:
+            if seq.drafter is not None:
                 seq.ctx.new_hidden = {layer: h[row, kept] for layer, h in hiddens.items()}
                 if seq.drafter.wants_node_logits:
                     seq.ctx.all_node_logits = logits[row, : len(draft) + 1]
                 with seq.stats.timer("draft"):
-                    seq.drafter.on_verified(result, seq.ctx)
+                    (seq.drafter.on_finished if seq.done else seq.drafter.on_verified)(result, seq.ctx)
         self._drop_finished()
         return seqs
 

@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from conftest import assert_close_to_scale, make_tiny_hf_dir
+from conftest import assert_close_to_scale, make_tiny_hf_dir, skip_without_kernel
 from safetensors.torch import load_file
 from scipy.stats import chisquare
 
@@ -177,9 +177,40 @@ def test_hidden_states_in_data_match_the_target(counter, counter_data):
     _, hiddens = counter.forward(sample.tokens[None], torch.arange(len(sample.tokens))[None],
                                  counter.new_cache(1, len(sample.tokens)), hidden_layers=(layer,))
     assert_close_to_scale(sample.hidden[layer].float(), hiddens[layer][0], FLOAT16_REL, "stored hidden")
-    # the answer is the target's own greedy continuation of the prompt
+    # the answer is the target's own greedy continuation of the prompt (without its last token,
+    # which was never fed to the target; the last row's label is that token)
     prompt = sample.tokens[: sample.num_prompt_tokens].tolist()
-    assert generate(counter, prompt, max_new_tokens=40).tokens == sample.tokens[sample.num_prompt_tokens :].tolist()
+    answer = generate(counter, prompt, max_new_tokens=40).tokens
+    assert answer[:-1] == sample.tokens[sample.num_prompt_tokens :].tolist() and int(sample.target_next[-1]) == answer[-1]
+
+
+def test_data_rows_come_from_the_decoding_forwards_bitwise(counter, tmp_path):
+    """No second pass: the stored hidden rows and labels are those of the forwards that decoded the
+    answers, bitwise equal to one forward over prompt + answer (rows are batch invariant), for
+    greedy and sampled answers decoded together in one ragged batch."""
+    skip_without_kernel()
+    layers = [1, counter.num_layers]
+    settings = DataSettings(num_prompts=6, max_new_tokens=14, shard_size=6, sampled_fraction=0.5, seed=3, layers=layers)
+    prompts = text_prompts(6, seed=2)
+    build_dataset(counter, tmp_path, settings, prompts=prompts, progress=False, log=lambda _: None)
+    _, samples = load_samples(tmp_path, layers, counter)
+    assert len(samples) == 6
+    kinds = set()
+    for index, (prompt, sample) in enumerate(zip(prompts, samples)):
+        decoding = settings.decoding_for(index)
+        kinds.add(decoding.greedy)
+        prompt_ids = counter.encode_prompt(prompt.text)
+        full = prompt_ids + generate(counter, prompt_ids, max_new_tokens=14, sampling=decoding).tokens
+        assert sample.tokens.tolist() == full[:-1] and sample.num_prompt_tokens == len(prompt_ids)
+        length = len(sample.tokens)
+        logits, hiddens = counter.forward(sample.tokens[None], torch.arange(length)[None], counter.new_cache(1, length),
+                                          hidden_layers=tuple(layers))
+        for layer in layers:
+            assert torch.equal(sample.hidden[layer], hiddens[layer][0].half()), (index, layer)
+        assert torch.equal(sample.target_next, logits[0].argmax(-1)), index
+        if decoding.greedy:  # a greedy answer is its own label row by row
+            assert sample.target_next[len(prompt_ids) - 1 :].tolist() == full[len(prompt_ids) :]
+    assert kinds == {True, False}
 
 
 # ---------------------------------------------------------------------------- training

@@ -8,6 +8,7 @@ The loop drives a drafter per sequence, in this order:
         draft = drafter.propose(ctx, budget)          # Draft rooted at ctx.tokens[-1]
         ... one target forward, verify ...
         drafter.on_verified(result, ctx)              # accepted path + bonus/correction
+    drafter.on_finished(result, ctx)                  # instead, on the step that ends the sequence
 
 `ctx.tokens` is every committed token (prompt + output); its last token is the "root": it is
 committed but not yet in the target's KV cache, and `parents == -1` nodes are its children.
@@ -44,8 +45,9 @@ class DraftContext:
     sampling: SamplingParams
     generator: torch.Generator | None = None  # the sequence's seeded generator (draft sampling)
     new_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n_new, H] rows just cached
-    # target logits [N + 1, V] of the last verify forward (root + every draft node, accepted or not);
-    # only filled for drafters with `wants_node_logits = True` (Lookahead harvests n-grams from them)
+    # target logits [N + 1, V] of the last verify forward (root + every draft node, accepted or not;
+    # after the prefill: the prompt rows [P, V]); only filled for drafters with
+    # `wants_node_logits = True` (Lookahead harvests n-grams from them, training data records labels)
     all_node_logits: torch.Tensor | None = None
 
     @property
@@ -79,6 +81,10 @@ class Drafter(ABC):
 
     def on_verified(self, result: VerifyResult, ctx: DraftContext) -> None:
         """Learn from the verification: accepted path, correction/bonus token, new hidden rows."""
+
+    def on_finished(self, result: VerifyResult, ctx: DraftContext) -> None:
+        """The sequence ended with this step (no further proposal): `ctx.new_hidden` /
+        `ctx.all_node_logits` hold its last rows. Default: nothing to do."""
 
     def draft_cost_tokens(self) -> float:
         """Rough draft cost per proposed token in units of one target decode step (cost model prior)."""

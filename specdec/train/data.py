@@ -10,9 +10,12 @@ Two kinds, one shard format (the trainer reads both):
   greedy path (trainer.label_rows), which is exactly the situation a draft is judged in.
 
 For every prompt the target writes its OWN answer (its chat template, its own decoding: greedy,
-or sampled for a `sampled_fraction` of prompts) with `specdec.generate`; then ONE target forward
-over prompt + answer returns the hidden states of the chosen layers at every position. Heads are
-trained to predict the target's own tokens from those states (see specdec.heads.LABEL_CONVENTION).
+or sampled for a `sampled_fraction` of prompts), a shard's prompts decoded as one batch by the
+loop; the hidden states of the chosen layers and the target's top-1 labels are recorded from
+those same forwards (the prefill's prompt rows, then each step's row), so there is no second
+pass. A sample is prompt + answer without the answer's last token (never fed to the target); the
+last row's label is that token's greedy choice. Heads are trained to predict the target's own
+tokens from those states (see specdec.heads.LABEL_CONVENTION).
 
 On disk (`out_dir/`):
     prompts.jsonl            the prompts (text, source), fixed at the start so a resume uses the same
@@ -42,6 +45,8 @@ from pathlib import Path
 
 import torch
 
+from ..draft import Draft
+from ..drafters.base import DraftContext, Drafter
 from ..sampling import SamplingParams
 from ..checks import check_positive_int
 from ..heads import check_target_matches, target_description
@@ -202,23 +207,60 @@ class Sample:
     source: str = ""  # the prompt's source (prompts.jsonl; "corpus" for teacher-forced text): per-source eval
 
 
+class _HiddenRecorder(Drafter):
+    """Records, per sequence, the target's hidden rows and top-1 choices from the forwards that
+    decode the answer (no second pass): it never drafts, asks the loop for `layers` and the
+    logits of the rows it feeds. On the native runtime every row is computed independently of the
+    others (docs/architecture.md, lossless rules), so these rows are bitwise the rows one forward
+    over prompt + answer would give."""
+
+    wants_node_logits = True
+
+    def __init__(self, layers: list[int]):
+        self.hidden_layers = tuple(layers)
+        self.hidden: list[dict[int, torch.Tensor]] = []  # per forward: layer -> [n, H] float16
+        self.target_next: list[torch.Tensor] = []  # per forward: [n] the target's top-1 after each row
+        self.ctx: DraftContext | None = None
+        self.sequences: list[_HiddenRecorder] = []  # the per-sequence recorders, in prompt order
+
+    def for_sequence(self) -> "_HiddenRecorder":
+        recorder = _HiddenRecorder(list(self.hidden_layers))
+        self.sequences.append(recorder)
+        return recorder
+
+    def propose(self, ctx: DraftContext, budget: int) -> Draft:
+        return Draft.empty()
+
+    def on_verified(self, result, ctx: DraftContext) -> None:
+        self._record(ctx)
+
+    def on_finished(self, result, ctx: DraftContext) -> None:
+        self._record(ctx)
+
+    def _record(self, ctx: DraftContext) -> None:
+        self.ctx = ctx
+        num_rows = ctx.new_hidden[self.hidden_layers[0]].shape[0]  # the prompt after prefill, then the root
+        self.hidden.append({layer: rows.to("cpu", torch.float16) for layer, rows in ctx.new_hidden.items()})
+        self.target_next.append(ctx.all_node_logits[:num_rows].argmax(-1).cpu())
+
+    def sample(self) -> Sample:
+        """prompt + answer without its last token (never fed to the target, so it has no row); the
+        last row's label is that token's greedy choice."""
+        hidden = {layer: torch.cat([rows[layer] for rows in self.hidden]) for layer in self.hidden_layers}  # [T, H]
+        num_rows = hidden[self.hidden_layers[0]].shape[0]
+        tokens = torch.tensor(self.ctx.tokens[:num_rows], dtype=torch.long)  # [T]
+        return Sample(tokens, hidden, self.ctx.num_prompt_tokens, torch.cat(self.target_next))
+
+
 def _answer_shard(target, prompt_ids: list[list[int]], decodings: list[SamplingParams], settings: DataSettings) -> list[Sample]:
     """The target's own answers for one shard, decoded as ONE batch (each row equals the prompt run
-    alone; batching is what makes self-distillation affordable on a CPU), then one forward per
-    sample over prompt + answer for the hidden states."""
-    from ..api import generate_batch
+    alone; batching is what makes self-distillation affordable on a CPU); the hidden states and
+    top-1 labels come from the decoding forwards themselves (`_HiddenRecorder`)."""
+    from ..loop import run
 
-    answers = generate_batch(target, [list(ids) for ids in prompt_ids], None, settings.max_new_tokens, decodings)
-    samples = []
-    for ids_of_prompt, answer in zip(prompt_ids, answers):
-        ids = list(ids_of_prompt) + list(answer.tokens)
-        tokens = torch.tensor([ids], dtype=torch.long)  # [1, T]
-        cache = target.new_cache(1, len(ids))
-        with torch.inference_mode():
-            logits, hiddens = target.forward(tokens, torch.arange(len(ids))[None], cache, hidden_layers=tuple(settings.layers))
-        hidden = {layer: hiddens[layer][0].to("cpu", torch.float16) for layer in settings.layers}  # {layer: [T, H]}
-        samples.append(Sample(tokens[0], hidden, len(ids_of_prompt), logits[0].argmax(-1).cpu()))
-    return samples
+    recorder = _HiddenRecorder(list(settings.layers))
+    run(target, [list(ids) for ids in prompt_ids], recorder, settings.max_new_tokens, list(decodings)).finish()
+    return [sequence.sample() for sequence in recorder.sequences]
 
 
 def _write_shard(path: Path, samples: list[Sample], prompt_indices: list[int], sampled: list[bool], layers: list[int]) -> dict:
