@@ -133,10 +133,15 @@ class SpecBatch:
             tokens = torch.tensor([list(p) + [p[-1]] * (width - len(p)) for p in prompts])  # [b, T]
             positions = torch.arange(width).expand(len(new), -1)  # [b, T]
             extra = _skip_padding(self.target, lengths, width)
+            # the LM head only for each prompt's last row, unless a drafter wants every row's logits
+            last_only = getattr(self.target, "selects_logits", False) and not getattr(self.drafter, "wants_node_logits", False)
+            if last_only:
+                extra["logits_at"] = lengths - 1
             logits, hiddens = self.target.forward(tokens, positions, rows, hidden_layers=self.hidden_layers, **extra)
             rows.truncate(lengths)  # drop the padding slots
         for row, seq in enumerate(new):
-            probs = warp_logits_to_probs(logits[row, lengths[row] - 1], seq.ctx.sampling)  # [V]
+            last_logits = logits[row, 0] if last_only else logits[row, lengths[row] - 1]  # [V]
+            probs = warp_logits_to_probs(last_logits, seq.ctx.sampling)  # [V]
             first = int(sample_from_probs(probs, seq.ctx.generator))
             seq.stats.record_prefill(1)
             seq.ctx.new_hidden = {layer: h[row, : lengths[row]] for layer, h in hiddens.items()}

@@ -8,6 +8,8 @@ from specdec.budget import AutoBudget
 from specdec.cost import CostTable
 from specdec.loop import run
 
+from conftest import assert_close_to_scale, kernel_is_on
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -35,6 +37,26 @@ def test_oracle_accepts_everything(tiny_target):
     assert spec.stats.steps == 8 and spec.stats.tau == 5.0
     assert spec.stats.acceptance_rate == 1.0
     assert spec.stats.target_forwards == 9
+
+
+def test_prefill_runs_the_lm_head_on_each_prompts_last_row_only(smollm2):
+    """`logits_at` gives exactly the rows a full forward gives (bitwise with the kernel: rows are
+    batch invariant), as [B, 1, V]; a ragged batch's first tokens are unchanged."""
+    prompts = [smollm2.encode_prompt(p) for p in PROMPTS]
+    lengths = torch.tensor([len(p) for p in prompts])
+    width = int(lengths.max())
+    tokens = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts])  # [3, T]
+    positions = torch.arange(width).expand(len(prompts), -1)
+    valid = torch.arange(width)[None] < lengths[:, None]
+    full, _ = smollm2.forward(tokens, positions, smollm2.new_cache(3, width), token_valid=valid)
+    last, _ = smollm2.forward(tokens, positions, smollm2.new_cache(3, width), token_valid=valid, logits_at=lengths - 1)
+    assert last.shape == (3, 1, smollm2.vocab_size)
+    expected = full[torch.arange(3), lengths - 1][:, None]  # [3, 1, V]
+    if kernel_is_on():
+        assert torch.equal(last, expected)
+    else:
+        assert_close_to_scale(last, expected)
+    assert [r.tokens[0] for r in generate_batch(smollm2, PROMPTS, None, max_new_tokens=1)] == expected[:, 0].argmax(-1).tolist()
 
 
 @pytest.mark.slow

@@ -36,6 +36,7 @@ class Target(ABC):
     model_dir: Path | None = None
     # True when forward() also takes token_valid [B, T] (bool) and skips padding tokens' compute
     skips_padding: bool = False
+    selects_logits: bool = False  # forward(..., logits_at=[B]) returns only those rows' logits [B, 1, V]
 
     @abstractmethod
     def new_cache(self, batch_size: int = 1, max_len: int = 2048, max_tokens: int | None = None): ...

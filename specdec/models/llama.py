@@ -183,12 +183,15 @@ class LlamaModel(nn.Module):
         hidden_layers: Sequence[int] = (),
         layer_ids: Sequence[int] | None = None,
         token_valid: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
     ):
         """tokens / positions [B, T]; attn_mask [B, T, T] among new tokens or None (causal).
 
         `layer_ids` runs only a subset of blocks (layer-skip self-drafting); the cache then has
         one slot per listed block. `token_valid [B, T]` (bool) marks real tokens in a padded
         batch: linear layers and the LM head skip the others, whose logits/hiddens are zeros.
+        `logits_at [B]` (long) asks for one row's logits per batch row (a prefill needs only each
+        prompt's last): the LM head runs on those B rows only and logits are [B, 1, V].
         Returns (logits [B, T, V] float32, {layer: hidden [B, T, H]}).
         """
         batch, num_new = tokens.shape
@@ -211,7 +214,9 @@ class LlamaModel(nn.Module):
         x = self.model.norm(x)
         if self.config.num_hidden_layers in wanted:
             hiddens[self.config.num_hidden_layers] = x
-        logits = _packed(self.lm_head, x, rows).float()  # [B, T, V]
+        if logits_at is not None:
+            x, rows = x[torch.arange(batch), logits_at][:, None], None  # [B, 1, H]
+        logits = _packed(self.lm_head, x, rows).float()  # [B, T, V] ([B, 1, V] with logits_at)
         return logits, hiddens
 
 
@@ -259,9 +264,12 @@ class NativeTarget(Target):
                        self.device, max_tokens)
 
     skips_padding = True  # forward(..., token_valid=) computes only the real tokens' rows
+    selects_logits = True  # forward(..., logits_at=) runs the LM head on one row per batch row
 
-    def forward(self, tokens, positions, cache, attn_mask=None, hidden_layers=(), layer_ids=None, token_valid=None):
-        return self.model(tokens, positions, cache, attn_mask, hidden_layers, layer_ids, token_valid=token_valid)
+    def forward(self, tokens, positions, cache, attn_mask=None, hidden_layers=(), layer_ids=None, token_valid=None,
+                logits_at=None):
+        return self.model(tokens, positions, cache, attn_mask, hidden_layers, layer_ids, token_valid=token_valid,
+                          logits_at=logits_at)
 
 
 WEIGHT_FORMATS = ("gguf", "gguf-a8", "fp32")
