@@ -32,7 +32,6 @@ from ..heads import ChainedModule, DraftVocab, Eagle1Module, Eagle3Module, Froze
 from ..heads.export import is_eagle3_export, load_eagle3_export
 from ..sampling import sample_from_probs, warp_logits_to_probs
 from .base import DraftContext, Drafter, register_drafter
-from .small_model import draft_log_probs
 
 _CACHE_HEADROOM = 64
 DEFAULT_TREE_NODES, DEFAULT_TREE_DEPTH, DEFAULT_TREE_TOPK = 10, 6, 4
@@ -105,13 +104,15 @@ class ChainRunner:
         self.cache.truncate(committed)  # forget the chain's keys: only verified positions stay
         return picks
 
-    def tree(self, ctx: DraftContext, budget: int, max_depth: int, topk: int) -> Draft:
-        """EAGLE-2's dynamic tree: expand the top-k nodes of each depth, rerank all, keep `budget`."""
+    def tree(self, ctx: DraftContext, budget: int, max_depth: int, topk: int, sample: bool) -> Draft:
+        """EAGLE-2's dynamic tree: expand the best k nodes of each depth, rank all, keep `budget`
+        (children drawn from q with exact rows when sampling, see ScoredTree)."""
         committed = int(self.cache.lengths[0])
         depth_limit = min(max_depth, budget)
         self.cache = grow_cache(self.cache, committed + topk * depth_limit + _CACHE_HEADROOM)
-        tree, ids = ScoredTree(topk), self.vocab.ids
-        level = tree.expand(-1, draft_log_probs(self.logits(self.last_output[0, 0]), ctx.sampling), ids)
+        tree = ScoredTree(topk, ctx.sampling, ctx.generator, sample, full_probs=self.vocab.full_probs)
+        ids = self.vocab.ids
+        level = tree.expand(-1, self.logits(self.last_output[0, 0]), ids)
         state_of = {node: self.last_output[0, 0] for node in level}  # the state each node is fed with
         slot_of: dict[int, int] = {}  # node -> its cache slot (nodes fed so far)
         for _ in range(2, depth_limit + 1):
@@ -131,9 +132,9 @@ class ChainRunner:
             tokens = torch.tensor([[tree.tokens[node] for node in frontier]])  # [1, F]
             positions = torch.full((1, len(frontier)), committed - 1 + depth)  # a depth-d node sits at newest + d
             outputs = self.heads.step(previous, tokens, positions, self.cache, self.parts, mask[None, None])[0]  # [F, H]
-            log_probs = draft_log_probs(self.logits(outputs), ctx.sampling)  # [F, V']
+            logits = self.logits(outputs)  # [F, V']
             level = []
-            for node, row, state in zip(frontier, log_probs, outputs):
+            for node, row, state in zip(frontier, logits, outputs):
                 children = tree.expand(node, row, ids)
                 state_of.update((child, state) for child in children)
                 level += children
@@ -203,7 +204,7 @@ class EagleDrafter(Drafter):
         if self.runner is None or not self.runner.ready() or budget <= 0:
             return Draft.empty()
         if self.tree:
-            return self.runner.tree(ctx, budget, self.tree_depth, self.tree_topk)
+            return self.runner.tree(ctx, budget, self.tree_depth, self.tree_topk, self.sample)
         picks = self.runner.chain(budget, chain_chooser(self.vocab, ctx, self.sample))
         tokens = torch.tensor([token for token, _ in picks], dtype=torch.long)
         if picks[0][1] is None:

@@ -71,8 +71,9 @@ class LayerSkipDrafter(ModelDrafter):
         tree_depth: int = 4,
         tree_topk: int = 3,
         tree_beam: int = 1,
+        sample: bool = True,
     ):
-        super().__init__(gamma, tree, tree_nodes, tree_depth, tree_topk, tree_beam)
+        super().__init__(gamma, tree, tree_nodes, tree_depth, tree_topk, tree_beam, sample)
         if target is None:
             raise ValueError("layer-skip drafts with the target's own layers: pass the target")
         if not _supports_layer_ids(target):

@@ -177,11 +177,13 @@ class ModelDrafter(Drafter):
         tree_depth: int = 4,
         tree_topk: int = 3,
         tree_beam: int = 1,
+        sample: bool = True,
     ):
         self.gamma = check_positive_int("gamma", gamma)
-        if not isinstance(tree, bool):
-            raise ValueError(f"tree must be true or false, got {tree!r}")
-        self.tree = tree
+        for name, flag in (("tree", tree), ("sample", sample)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be true or false, got {flag!r}")
+        self.tree, self.sample = tree, sample
         self.tree_nodes = check_positive_int("tree_nodes", tree_nodes)
         self.tree_depth = check_positive_int("tree_depth", tree_depth)
         self.tree_topk = check_positive_int("tree_topk", tree_topk)
@@ -234,7 +236,7 @@ class ModelDrafter(Drafter):
         tokens: list[int] = []
         draft_rows: list[torch.Tensor] = []  # q each token was sampled from (temperature > 0)
         for index in range(budget):
-            if ctx.sampling.greedy:
+            if ctx.sampling.greedy or not self.sample:  # a deterministic proposal
                 token = int(logits.argmax())
             else:
                 draft_probs = warp_logits_to_probs(logits, ctx.sampling)  # [V]
@@ -248,38 +250,27 @@ class ModelDrafter(Drafter):
 
     # ------------------------------------------------------------------ tree
     def _propose_tree(self, ctx: DraftContext, budget: int, root_logits: torch.Tensor) -> Draft:
-        tree = _TreeBuilder(self.lm, ctx, self.tree_topk)
-        level = tree.expand(-1, tree.log_probs(root_logits))
+        tree = _TreeBuilder(self.lm, ctx, self.tree_topk, self.sample)
+        level = tree.expand(-1, root_logits)
         for _ in range(2, min(self.tree_depth, budget) + 1):
             frontier = tree.best(level, self.tree_beam)
             if not frontier or tree.cannot_improve(frontier, budget):
                 break
             rows = tree.node_logits(frontier)  # [len(frontier), V], one draft forward
-            level = [child for node, row in zip(frontier, rows) for child in tree.expand(node, tree.log_probs(row))]
+            level = [child for node, row in zip(frontier, rows) for child in tree.expand(node, row)]
         draft = tree.best_subtree(budget)
         tree.finish()
         return draft
 
 
-def draft_log_probs(logits: torch.Tensor, sampling) -> torch.Tensor:
-    """Draft log-probabilities that rank tree candidates [V]: warped like the target when sampling
-    (tokens the target cannot emit get -inf), the raw distribution when greedy."""
-    if sampling.greedy:
-        return torch.log_softmax(logits, dim=-1)
-    return warp_logits_to_probs(logits, sampling).log()
-
-
 class _TreeBuilder(ScoredTree):
     """A ScoredTree grown with a DraftLM: node slots live in the draft model's cache."""
 
-    def __init__(self, lm: DraftLM, ctx: DraftContext, topk: int):
-        super().__init__(topk)
-        self.lm, self.ctx = lm, ctx
+    def __init__(self, lm: DraftLM, ctx: DraftContext, topk: int, sample: bool):
+        super().__init__(topk, ctx.sampling, ctx.generator, sample)
+        self.lm = lm
         self.slot_nodes: list[int] = []  # nodes written to the draft cache after the committed tokens
         self.last_logits: dict[int, torch.Tensor] = {}
-
-    def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return draft_log_probs(logits, self.ctx.sampling)
 
     def node_logits(self, frontier: list[int]) -> torch.Tensor:
         """Draft logits [F, V] after each frontier node, from one forward under a tree mask.
@@ -382,8 +373,9 @@ class SmallModelDrafter(ModelDrafter):
         tree_depth: int = 4,
         tree_topk: int = 3,
         tree_beam: int = 1,
+        sample: bool = True,
     ):
-        super().__init__(gamma, tree, tree_nodes, tree_depth, tree_topk, tree_beam)
+        super().__init__(gamma, tree, tree_nodes, tree_depth, tree_topk, tree_beam, sample)
         if draft_target is None:
             if not isinstance(draft_model, str) or not draft_model:
                 raise ValueError(f"draft_model must be a model name, directory or .gguf path, got {draft_model!r}")
