@@ -13,9 +13,13 @@ import math
 
 import pytest
 import torch
+from conftest import make_tiny_hf_dir
 from scipy.stats import chisquare
+from test_model_drafters import _drafted_pair_pvalue
 
 from specdec.draft import ScoredTree
+from specdec.drafters.small_model import SmallModelDrafter
+from specdec.models.llama import load_native
 from specdec.sampling import SamplingParams, make_generator
 from specdec.verify import verify_tree
 
@@ -109,6 +113,55 @@ def test_sampled_tree_emits_the_target_distribution(root):
 def test_wrong_sampled_trees_fail_the_same_test(monkeypatch, variant, root):
     install_variant(monkeypatch, variant)
     assert _emitted_pair_pvalue(root, runs=2000) < 1e-6
+
+
+# ---------------------------------------------------------------------------- the real loop
+FIRST = 3  # crafted token i is id FIRST + i in the tiny 8-token tokenizer (0, 1, 2: <s>, </s>, space)
+LEAD_IN = {0: [7], 3: [2]}  # a prompt whose next token is certainly crafted token 0 / 3: the first draft's root
+
+
+def make_markov_llama(path, probs: torch.Tensor, vocab_size: int = 8):
+    """A tiny real Llama whose next-token distribution after crafted token i is probs[i] (every other
+    id ~e^-40; after a LEAD_IN prompt the next token is certain): orthonormal embeddings, blocks that
+    write nothing to the residual stream, and an LM head that reads the log-probability table off
+    the normed embedding."""
+    _, model = make_tiny_hf_dir(path, "llama", seed=0, vocab_size=vocab_size)
+    hidden = model.config.hidden_size
+    codes = torch.linalg.qr(torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(0)))[0][:vocab_size]
+    table = torch.full((vocab_size, vocab_size), -40.0)  # [last token, next token] log-probabilities
+    size = probs.shape[0]
+    table[FIRST : FIRST + size, FIRST : FIRST + size] = probs.log()
+    for root, (lead_in,) in LEAD_IN.items():
+        table[lead_in, FIRST + root] = 0.0
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(codes)  # [V, H]
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.copy_(table.T @ codes / hidden**0.5)  # the final norm scales a code by sqrt(H)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    model.save_pretrained(path)
+    return load_native(path, name=path.name)
+
+
+@pytest.fixture(scope="module")
+def markov_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("markov")
+    return make_markov_llama(root / "target", TARGET_PROBS), make_markov_llama(root / "draft", DRAFT_PROBS)
+
+
+def test_small_model_sampled_tree_keeps_the_target_distribution(markov_pair, monkeypatch):
+    """Through the real loop (generate_batch, the drafter's own KV cache, verify_tree): the first
+    draft (a 2-node tree) decides output tokens 2 and 3, compared with the target's exact joint by
+    test_model_drafters' chi-square test; the wrong variants fail it."""
+    target, draft = markov_pair
+    drafter = SmallModelDrafter(target, draft_target=draft, tree=True, tree_nodes=2, tree_topk=2, tree_depth=2)
+    for root in (0, 3):
+        assert _drafted_pair_pvalue(target, drafter, LEAD_IN[root], runs=1500) > 1e-3
+    for variant, root in (("rows", 0), ("own-value", 3)):
+        with monkeypatch.context() as patch:
+            install_variant(patch, variant)
+            assert _drafted_pair_pvalue(target, drafter, LEAD_IN[root], runs=1500) < 1e-6, variant
 
 
 # ---------------------------------------------------------------------------- structure
