@@ -8,12 +8,22 @@ newest row's output is the depth-1 state; deeper states come from feeding a draf
 parent's state — the same computation the trainer unrolls.
 
 Proposals:
-  * tree=true (default), EAGLE-2: depth 1 = the root's top-k tokens; at every further depth the
-    top-k nodes of the previous depth by cumulative draft log-probability are fed in ONE forward
-    (tree mask over the drafter's cache) and each adds its top-k children; finally every node is
-    reranked and the best N form the Draft (`ScoredTree`, shared with `small-model`). N is the
-    step's budget (the cost table's choice under --gamma auto), the depth min(tree_depth, N).
-    Deterministic proposals at every temperature (draft_probs None: the multi-candidate rule).
+  * tree=true (default), EAGLE-2: depth 1 = the root's children; at every further depth the best k
+    nodes of the previous depth by score are fed in ONE forward (tree mask over the drafter's
+    cache) and each adds k children; finally the best N nodes form the Draft (`ScoredTree`, shared
+    with `small-model`). N is the step's budget (the cost table's choice under --gamma auto), the
+    depth min(tree_depth, N).
+      - greedy (or sample=false): children = the top-k tokens, scored by the path's cumulative
+        draft log-probability; deterministic proposals (draft_probs None: the multi-candidate rule).
+      - temperature > 0 and sample=true: children are DRAWN from q = the drafter's distribution
+        warped like the target's, without replacement; child j's draft_probs row is q with
+        children 1..j-1 removed, renormalised, zero outside the draft vocabulary. EAGLE-2's rerank
+        by each node's own draft probability would not be exact for sampled nodes (a node kept
+        because its own value is likely biases the output), so a sampled slot is scored BEFORE its
+        draw (parent's score + log E[q(x_j) | earlier siblings], never above its parent or an
+        earlier sibling) and every choice — frontier and final top N — ranks by that score: a
+        node's presence then depends only on nodes ranked ahead of it, never on its own value or
+        on anything drawn from it (the argument is ScoredTree's docstring).
   * tree=false: a chain of the budget's length; greedy (or sample=false) takes the argmax,
     temperature > 0 SAMPLES each token from q = the drafter's distribution warped like the target's
     and passes q (zero outside the draft vocabulary) as draft_probs — exact rejection sampling.
@@ -219,7 +229,8 @@ class Eagle1Drafter(EagleDrafter):
     checkpoint: directory written by `specdec train eagle1` (for this very target).
     tree: EAGLE-2 dynamic tree (default) or a chain of `gamma` tokens.
     tree_nodes: nodes per step (the budget without --gamma auto); tree_depth / tree_topk: its shape.
-    sample: at temperature > 0 (chains), sample drafts with draft_probs instead of argmax.
+    sample: at temperature > 0, sample drafts (chains and trees) with exact draft_probs instead of
+        proposing the top-k / argmax deterministically.
     draft_vocab: propose only the checkpoint's N most frequent label tokens (0 = every token).
     """
 

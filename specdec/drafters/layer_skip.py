@@ -55,7 +55,7 @@ class LayerSkipDrafter(ModelDrafter):
 
     num_layers: run the first n blocks (default ~1/4 of the target's blocks).
     layers: or an explicit increasing list of block ids, e.g. [0, 1, 2, 3, 28, 29].
-    gamma / tree / tree_*: see ModelDrafter.
+    gamma / tree / tree_* / sample: see ModelDrafter and `small-model`.
     """
 
     name = "layer-skip"

@@ -11,10 +11,13 @@ Two pieces, shared with `layer-skip` (drafters/layer_skip.py):
     - chain, temperature 0: the argmax chain, a deterministic proposal (draft_probs None);
     - chain, temperature > 0: every token is SAMPLED from q = warp(draft logits) with the
       sequence's generator and its q row is returned (lossless rejection sampling);
-    - tree (SpecInfer-style top-k expansion, deterministic): a beam over depths; at each depth the
-      `tree_beam` best nodes (by cumulative draft log-probability) get their `tree_topk` best
-      children from ONE draft forward under a tree attention mask; the `budget` best nodes overall
-      form the tree (children always score <= their parent, so the best-n set is a tree).
+    - tree (`ScoredTree`, shared with EAGLE): a beam over depths; at each depth the `tree_beam`
+      best nodes get their `tree_topk` children from ONE draft forward under a tree attention
+      mask; the `budget` best nodes overall form the tree (children never score above their
+      parent nor a later sibling above an earlier one, so the best-n set is a tree). Greedy (or
+      sample=false): the top-k children by cumulative draft log-probability, deterministic;
+      temperature > 0: children drawn from q without replacement with exact rows, each slot
+      scored before its draw (see ScoredTree for why that keeps the output exact).
 
 `small-model` drafts with an independent smaller model that shares the target's tokenizer
 (default pair: qwen2.5-coder-1.5b target, qwen2.5-coder-0.5b draft).
@@ -357,6 +360,8 @@ class SmallModelDrafter(ModelDrafter):
         specdec.load_target), or pass `draft_target`, an already loaded Target.
     draft_dtype: dtype to load draft_model in (None = the target's dtype, float32 without target).
     gamma: chain length per step; tree / tree_*: see ModelDrafter (tree_nodes = node budget).
+    sample: at temperature > 0, sample chains and trees from q with exact draft_probs (false: argmax
+        chains and top-k trees, deterministic proposals).
     """
 
     name = "small-model"
