@@ -307,24 +307,28 @@ class ScoredTree:
         vocabulary via `full_probs`: zero outside a reduced draft vocabulary).
 
     Why the sampled mode stays exact. Recursive rejection sampling (specdec.verify) needs, for each
-    node s, that its token x_s is distributed as its row GIVEN everything that decided s's presence
-    in the tree and everything the verifier saw before trying s (ancestors, their earlier siblings,
-    s's earlier siblings). So s may be kept or dropped only on information that does not include
-    x_s or anything drawn from it: s's later siblings (they depend on x_s through the removal),
-    s's descendants, and their descendants — "downstream of s". EAGLE-2's rerank by the path's own
-    draft probability breaks this: it keeps s because q(x_s) is large, which favours likely drafts
-    over what the target would emit. Here a sampled slot's score is fixed BEFORE its token is drawn:
+    node s, that x_s, given everything the verifier knows when it tries s (ancestors, their earlier
+    siblings, s's earlier siblings, and that s is in the tree at all), is distributed as s's row.
+    x_s is drawn with fresh randomness from that row, so this holds as long as s's presence and
+    place are decided without x_s and without anything drawn from it — "downstream of s": its later
+    siblings (they depend on x_s through the removal), its descendants, and theirs. Ancestors and
+    earlier siblings are fine (a stopping time). EAGLE-2's rerank by the path's own draft
+    probabilities breaks this: a node kept because q(x_s) is large favours likely drafts over what
+    the target would emit. So a sampled slot is scored BEFORE its token is drawn:
         score(P, j) = min(score(P, j - 1), score(P) + log(S_j / M_j)),
-    M_j = q's mass left after removing children 1..j-1, S_j = the sum of the squares of that mass;
-    S_j / M_j = E[q(x_j) | earlier siblings], the expected value of EAGLE-2's own-value factor (the
-    chance that slot j holds the token, were the target's token drawn from q too). The score never
-    exceeds the parent's nor an earlier sibling's (S_j <= M_j, and the min), so with ties broken by
-    creation order every node downstream of s ranks after s. Every decision about the tree — the
-    frontier (`best`), stopping early (`cannot_improve`), the final top-n (`best_subtree`) — looks
-    only at the ranking from the top, so whether s is in the tree is a function of the nodes ranked
-    ahead of s, none of which is downstream of s, and x_s is drawn with fresh randomness from its
-    row. The kept set is closed under ancestors and earlier siblings for the same reason. Greedy
-    (deterministic) trees need none of this: their proposals carry no draft randomness."""
+    M_j = q's mass left after children 1..j-1, S_j = the sum of q(x)^2 over the tokens left;
+    S_j / M_j = E[q(x_j) | earlier siblings] is the expected value of EAGLE-2's own-value factor
+    (the chance that slot j holds the token, were the target's token drawn from q too). A slot
+    never outscores its parent (S_j <= M_j) nor an earlier sibling (the min), so under the ranking
+    key (score descending, then depth, then creation order) every node downstream of s ranks after
+    s. Every decision about the tree compares nodes by that key: s exists if its parent made its
+    depth's frontier (`best`: decided by nodes ranked ahead of the parent) and growth did not stop
+    (`cannot_improve`: nodes ranked ahead of the best frontier node), and s is kept if fewer than
+    n nodes rank ahead of it (`best_subtree`). By induction down the ranking, s's presence is a
+    function of the nodes ranked ahead of s, none of which is downstream of s; for the same reason
+    the kept set holds every kept node's ancestors and earlier siblings. Deterministic trees need
+    none of this: their proposals carry no draft randomness. tests/test_sampled_tree.py shows
+    both mistakes (rows ignoring earlier siblings, a top-n by own values) fail a distribution test."""
 
     def __init__(self, topk: int, sampling: SamplingParams | None = None, generator: torch.Generator | None = None,
                  sample: bool = True, full_probs: Callable[[torch.Tensor], torch.Tensor] | None = None):
