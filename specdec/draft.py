@@ -15,9 +15,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
+
+from .sampling import SamplingParams, sample_token, warp_logits_to_probs
 
 
 def _as_index_tensor(values, name: str) -> torch.Tensor:
@@ -289,56 +291,157 @@ def tree_template_from_choices(choices: Sequence[Sequence[int]]) -> TreeTemplate
 
 
 class ScoredTree:
-    """A draft tree grown by top-k expansion, each node scored by the cumulative draft
-    log-probability of its root-to-node path (SpecInfer / EAGLE-2). Nodes are numbered in creation
-    order (parents first); `best_subtree(n)` reranks every node and keeps the n best, which is a
-    tree because a child never scores above its parent. Model drafters (a draft LM, EAGLE) grow it
-    with their own forwards; every proposal it makes is deterministic (draft_probs None)."""
+    """A draft tree grown node by node, each node scored by an estimate of the log-probability that
+    its root-to-node path is accepted (SpecInfer / EAGLE-2). Nodes are numbered in creation order
+    (parents first); drafters (a draft LM, EAGLE) grow it with their own forwards: `expand` adds a
+    node's children from the drafter's logits, `best` picks the frontier to expand next,
+    `best_subtree(n)` keeps the n best nodes.
 
-    def __init__(self, topk: int):
+    Two modes:
+      * deterministic (greedy, or sample=False): a node's children are the top-k tokens of the
+        drafter's distribution (warped like the target's when temperature > 0), scored by the
+        cumulative draft log-probability of the path; draft_probs None (the multi-candidate rule).
+      * sampled (temperature > 0 and sample=True): a node's children are DRAWN from q = the
+        drafter's distribution warped like the target's, without replacement; child j carries the
+        row it was drawn from, q with children 1..j-1 removed and renormalised (over the full
+        vocabulary via `full_probs`: zero outside a reduced draft vocabulary).
+
+    Why the sampled mode stays exact. Recursive rejection sampling (specdec.verify) needs, for each
+    node s, that x_s, given everything the verifier knows when it tries s (ancestors, their earlier
+    siblings, s's earlier siblings, and that s is in the tree at all), is distributed as s's row.
+    x_s is drawn with fresh randomness from that row, so this holds as long as s's presence and
+    place are decided without x_s and without anything drawn from it — "downstream of s": its later
+    siblings (they depend on x_s through the removal), its descendants, and theirs. Ancestors and
+    earlier siblings are fine (a stopping time). EAGLE-2's rerank by the path's own draft
+    probabilities breaks this: a node kept because q(x_s) is large favours likely drafts over what
+    the target would emit. So a sampled slot is scored BEFORE its token is drawn:
+        score(P, j) = min(score(P, j - 1), score(P) + log(S_j / M_j)),
+    M_j = q's mass left after children 1..j-1, S_j = the sum of q(x)^2 over the tokens left;
+    S_j / M_j = E[q(x_j) | earlier siblings] is the expected value of EAGLE-2's own-value factor
+    (the chance that slot j holds the token, were the target's token drawn from q too). A slot
+    never outscores its parent (S_j <= M_j) nor an earlier sibling (the min), so under the ranking
+    key (score descending, then depth, then creation order) every node downstream of s ranks after
+    s. Every decision about the tree compares nodes by that key: s exists if its parent made its
+    depth's frontier (`best`: decided by nodes ranked ahead of the parent) and growth did not stop
+    (`cannot_improve`: nodes ranked ahead of the best frontier node), and s is kept if fewer than
+    n nodes rank ahead of it (`best_subtree`). By induction down the ranking, s's presence is a
+    function of the nodes ranked ahead of s, none of which is downstream of s; for the same reason
+    the kept set holds every kept node's ancestors and earlier siblings. Deterministic trees need
+    none of this: their proposals carry no draft randomness. tests/test_sampled_tree.py shows
+    both mistakes (rows ignoring earlier siblings, a top-n by own values) fail a distribution test."""
+
+    def __init__(self, topk: int, sampling: SamplingParams | None = None, generator: torch.Generator | None = None,
+                 sample: bool = True, full_probs: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.topk = topk
+        self.sampling = sampling or SamplingParams()
+        self.sampled = sample and not self.sampling.greedy
+        self.generator = generator
+        self.full_probs = full_probs  # [V'] -> [V] (a reduced draft vocabulary); None: rows are over [V] already
         self.tokens: list[int] = []
         self.parents: list[int] = []
-        self.scores: list[float] = []  # cumulative draft log-probability of the root-to-node path
+        self.scores: list[float] = []  # estimated log P(root-to-node path accepted), fixed before the token is drawn
         self.paths: list[tuple[int, ...]] = []  # node ids root-to-node (inclusive)
+        # sampled mode: node -> (q [V'] of its parent, indices of its earlier siblings, its own index)
+        self.sources: list[tuple[torch.Tensor, tuple[int, ...], int]] = []
 
     def depth(self, node: int) -> int:
         return len(self.paths[node])
 
-    def expand(self, parent: int, log_probs: torch.Tensor, token_ids: torch.Tensor | None = None) -> list[int]:
-        """Add the top-k children of `parent` (-1 = the root) from draft log-probabilities [V'];
-        `token_ids` [V'] maps an index to its token id (None: the index is the id)."""
+    def expand(self, parent: int, logits: torch.Tensor, token_ids: torch.Tensor | None = None) -> list[int]:
+        """Add the children of `parent` (-1 = the root) from the drafter's logits [V'] after it:
+        its top-k tokens, or k tokens drawn without replacement (sampled mode). `token_ids` [V']
+        maps an index to its token id (None: the index is the id)."""
+        if self.sampled:
+            return self._draw_children(parent, warp_logits_to_probs(logits, self.sampling), token_ids)
+        if self.sampling.greedy:
+            log_probs = torch.log_softmax(logits.float(), dim=-1)
+        else:  # tokens the target cannot emit (top-k / top-p) get -inf
+            log_probs = warp_logits_to_probs(logits, self.sampling).log()
+        return self._top_children(parent, log_probs, token_ids)
+
+    def _add(self, parent: int, token: int, score: float) -> int:
+        node = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.scores.append(score)
+        self.paths.append((() if parent < 0 else self.paths[parent]) + (node,))
+        return node
+
+    def _top_children(self, parent: int, log_probs: torch.Tensor, token_ids: torch.Tensor | None) -> list[int]:
         values, indices = torch.topk(log_probs, min(self.topk, log_probs.shape[0]))
         tokens = indices if token_ids is None else token_ids[indices]
         base = 0.0 if parent < 0 else self.scores[parent]
-        prefix = () if parent < 0 else self.paths[parent]
         children = []
         for value, token in zip(values.tolist(), tokens.tolist()):
             if value == -math.inf:
                 break
-            node = len(self.tokens)
-            self.tokens.append(token)
-            self.parents.append(parent)
-            self.scores.append(base + value)
-            self.paths.append(prefix + (node,))
-            children.append(node)
+            children.append(self._add(parent, token, base + value))
         return children
 
+    def _draw_children(self, parent: int, probs: torch.Tensor, token_ids: torch.Tensor | None) -> list[int]:
+        """Draw up to k children from q = probs [V'] without replacement, each slot scored before its draw."""
+        remaining = probs.clone()  # [V']: q with the children drawn so far removed (unnormalised)
+        score = 0.0 if parent < 0 else self.scores[parent]
+        base, drawn, children = score, [], []
+        for _ in range(self.topk):
+            mass = float(remaining.sum())
+            if mass <= 0.0:  # q's whole support is drawn
+                break
+            expected_own = float(remaining.double().square().sum()) / mass  # S_j / M_j = E[q(x_j) | earlier siblings]
+            score = min(score, base + math.log(expected_own)) if expected_own > 0.0 else -math.inf
+            index = sample_token(remaining, self.generator)
+            token = index if token_ids is None else int(token_ids[index])
+            node = self._add(parent, token, score)
+            self.sources.append((probs, tuple(drawn), index))
+            children.append(node)
+            drawn.append(index)
+            remaining[index] = 0.0
+        return children
+
+    def draft_row(self, node: int) -> torch.Tensor:
+        """The distribution node's token was drawn from [V]: its parent's q with the earlier
+        siblings removed, renormalised (zero outside the draft vocabulary)."""
+        probs, earlier, _ = self.sources[node]
+        row = probs.clone()
+        row[list(earlier)] = 0.0
+        row = row / row.sum()
+        return row if self.full_probs is None else self.full_probs(row)
+
     def best(self, nodes: Sequence[int], count: int) -> list[int]:
-        """The `count` best-scoring of `nodes`, best first."""
-        return sorted(nodes, key=lambda node: -self.scores[node])[:count]
+        """The `count` best-scoring of `nodes`, best first (ties: creation order)."""
+        return sorted(nodes, key=lambda node: (-self.scores[node], node))[:count]
 
     def cannot_improve(self, frontier: Sequence[int], budget: int) -> bool:
         """True when `budget` nodes already beat the best frontier node: no deeper node can enter the best-n tree."""
         best = max(self.scores[node] for node in frontier)
         return sum(score > best for score in self.scores) >= budget
 
+    def _closure(self, node: int, children: dict[int, list[int]]) -> set[int]:
+        """`node`, its ancestors and each one's earlier siblings (`children`: parent -> children in creation order)."""
+        needed = set()
+        for member in self.paths[node]:
+            siblings = children[self.parents[member]]
+            needed.update(siblings[: siblings.index(member) + 1])
+        return needed
+
     def best_subtree(self, budget: int) -> Draft:
-        """The `budget` best nodes by path score (ancestor-closed), parents first, best sibling first."""
+        """The best nodes by score, taken with their ancestors and earlier siblings while `budget`
+        allows; parents first, siblings in creation (= score, = draw) order."""
         order = sorted(range(len(self.tokens)), key=lambda n: (-self.scores[n], len(self.paths[n]), n))
-        chosen = sorted(order[:budget], key=lambda n: (len(self.paths[n]), self.paths[n][:-1], -self.scores[n], n))
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(self.parents):
+            children.setdefault(parent, []).append(node)
+        kept: set[int] = set()
+        for node in order:
+            needed = self._closure(node, children) - kept  # just {node} for heap-ordered scores
+            if len(kept) + len(needed) <= budget:
+                kept |= needed
+            if len(kept) == budget:
+                break
+        chosen = sorted(kept, key=lambda n: (len(self.paths[n]), self.paths[n][:-1], n))
         # sorting by (depth, parent path) keeps every parent before its children
         new_index = {node: i for i, node in enumerate(chosen)}
         parents = [-1 if self.parents[n] < 0 else new_index[self.parents[n]] for n in chosen]
         tokens = torch.tensor([self.tokens[n] for n in chosen], dtype=torch.long)
-        return Draft(tokens, torch.tensor(parents, dtype=torch.long), None)
+        draft_probs = torch.stack([self.draft_row(n) for n in chosen]) if self.sampled and chosen else None  # [N, V]
+        return Draft(tokens, torch.tensor(parents, dtype=torch.long), draft_probs)

@@ -339,3 +339,24 @@ def test_checkpoint_keeps_index_buffers_exact(counter, tmp_path):
     state = load_file(str(tmp_path / "model.safetensors"))
     assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool
     assert torch.equal(state["d2t"], module.d2t) and {3, 5, 9, 23} <= set((torch.arange(DRAFT_VOCAB) + state["d2t"]).tolist())
+
+
+@pytest.mark.parametrize("kind", list(DRAFTERS))
+def test_sampled_eagle_trees_keep_the_target_distribution(counter, trained, kind):
+    """Temperature 1, EAGLE-2 dynamic trees: children DRAWN from q without replacement, each with the
+    exact row it was drawn from (ScoredTree's sampled mode; zero outside EAGLE-3's draft vocabulary);
+    outputs follow the target exactly. (This drafter's q is close to the flat counter's p, too close
+    for a wrong row or selection to show in 1500 runs: test_sampled_tree.py catches those through
+    the real loop on a crafted pair.)"""
+    drafter = DRAFTERS[kind](counter, checkpoint=str(trained[kind][0]), tree_nodes=3, tree_topk=2, tree_depth=2)
+    prompt, runs = [5, 6, 7, 8], 1500
+    draft = _proposal(drafter, counter, prompt, 3, SamplingParams(1.0, seed=0))
+    assert len(draft) == 3 and draft.draft_probs is not None and not draft.is_chain
+    assert torch.allclose(draft.draft_probs.sum(-1), torch.ones(3))
+    if kind == "eagle3":  # q is zero outside the reduced draft vocabulary
+        outside = ~drafter.heads.t2d.cpu()
+        assert float(draft.draft_probs[:, outside].abs().sum()) == 0.0
+    sampling = [SamplingParams(1.0, seed=seed) for seed in range(runs)]
+    results = generate_batch(counter, [prompt] * runs, drafter, max_new_tokens=4, sampling=sampling)
+    assert sum(r.stats.accepted_tokens for r in results) > 0.1 * runs  # drafts were really tried and accepted
+    assert min(token_marginal_pvalues(counter, prompt, results)) > 1e-3

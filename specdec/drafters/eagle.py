@@ -8,12 +8,22 @@ newest row's output is the depth-1 state; deeper states come from feeding a draf
 parent's state — the same computation the trainer unrolls.
 
 Proposals:
-  * tree=true (default), EAGLE-2: depth 1 = the root's top-k tokens; at every further depth the
-    top-k nodes of the previous depth by cumulative draft log-probability are fed in ONE forward
-    (tree mask over the drafter's cache) and each adds its top-k children; finally every node is
-    reranked and the best N form the Draft (`ScoredTree`, shared with `small-model`). N is the
-    step's budget (the cost table's choice under --gamma auto), the depth min(tree_depth, N).
-    Deterministic proposals at every temperature (draft_probs None: the multi-candidate rule).
+  * tree=true (default), EAGLE-2: depth 1 = the root's children; at every further depth the best k
+    nodes of the previous depth by score are fed in ONE forward (tree mask over the drafter's
+    cache) and each adds k children; finally the best N nodes form the Draft (`ScoredTree`, shared
+    with `small-model`). N is the step's budget (the cost table's choice under --gamma auto), the
+    depth min(tree_depth, N).
+      - greedy (or sample=false): children = the top-k tokens, scored by the path's cumulative
+        draft log-probability; deterministic proposals (draft_probs None: the multi-candidate rule).
+      - temperature > 0 and sample=true: children are DRAWN from q = the drafter's distribution
+        warped like the target's, without replacement; child j's draft_probs row is q with
+        children 1..j-1 removed, renormalised, zero outside the draft vocabulary. EAGLE-2's rerank
+        by each node's own draft probability would not be exact for sampled nodes (a node kept
+        because its own value is likely biases the output), so a sampled slot is scored BEFORE its
+        draw (parent's score + log E[q(x_j) | earlier siblings], never above its parent or an
+        earlier sibling) and every choice — frontier and final top N — ranks by that score: a
+        node's presence then depends only on nodes ranked ahead of it, never on its own value or
+        on anything drawn from it (the argument is ScoredTree's docstring).
   * tree=false: a chain of the budget's length; greedy (or sample=false) takes the argmax,
     temperature > 0 SAMPLES each token from q = the drafter's distribution warped like the target's
     and passes q (zero outside the draft vocabulary) as draft_probs — exact rejection sampling.
@@ -32,7 +42,6 @@ from ..heads import ChainedModule, DraftVocab, Eagle1Module, Eagle3Module, Froze
 from ..heads.export import is_eagle3_export, load_eagle3_export
 from ..sampling import sample_from_probs, warp_logits_to_probs
 from .base import DraftContext, Drafter, register_drafter
-from .small_model import draft_log_probs
 
 _CACHE_HEADROOM = 64
 DEFAULT_TREE_NODES, DEFAULT_TREE_DEPTH, DEFAULT_TREE_TOPK = 10, 6, 4
@@ -105,13 +114,15 @@ class ChainRunner:
         self.cache.truncate(committed)  # forget the chain's keys: only verified positions stay
         return picks
 
-    def tree(self, ctx: DraftContext, budget: int, max_depth: int, topk: int) -> Draft:
-        """EAGLE-2's dynamic tree: expand the top-k nodes of each depth, rerank all, keep `budget`."""
+    def tree(self, ctx: DraftContext, budget: int, max_depth: int, topk: int, sample: bool) -> Draft:
+        """EAGLE-2's dynamic tree: expand the best k nodes of each depth, rank all, keep `budget`
+        (children drawn from q with exact rows when sampling, see ScoredTree)."""
         committed = int(self.cache.lengths[0])
         depth_limit = min(max_depth, budget)
         self.cache = grow_cache(self.cache, committed + topk * depth_limit + _CACHE_HEADROOM)
-        tree, ids = ScoredTree(topk), self.vocab.ids
-        level = tree.expand(-1, draft_log_probs(self.logits(self.last_output[0, 0]), ctx.sampling), ids)
+        tree = ScoredTree(topk, ctx.sampling, ctx.generator, sample, full_probs=self.vocab.full_probs)
+        ids = self.vocab.ids
+        level = tree.expand(-1, self.logits(self.last_output[0, 0]), ids)
         state_of = {node: self.last_output[0, 0] for node in level}  # the state each node is fed with
         slot_of: dict[int, int] = {}  # node -> its cache slot (nodes fed so far)
         for _ in range(2, depth_limit + 1):
@@ -131,9 +142,9 @@ class ChainRunner:
             tokens = torch.tensor([[tree.tokens[node] for node in frontier]])  # [1, F]
             positions = torch.full((1, len(frontier)), committed - 1 + depth)  # a depth-d node sits at newest + d
             outputs = self.heads.step(previous, tokens, positions, self.cache, self.parts, mask[None, None])[0]  # [F, H]
-            log_probs = draft_log_probs(self.logits(outputs), ctx.sampling)  # [F, V']
+            logits = self.logits(outputs)  # [F, V']
             level = []
-            for node, row, state in zip(frontier, log_probs, outputs):
+            for node, row, state in zip(frontier, logits, outputs):
                 children = tree.expand(node, row, ids)
                 state_of.update((child, state) for child in children)
                 level += children
@@ -203,7 +214,7 @@ class EagleDrafter(Drafter):
         if self.runner is None or not self.runner.ready() or budget <= 0:
             return Draft.empty()
         if self.tree:
-            return self.runner.tree(ctx, budget, self.tree_depth, self.tree_topk)
+            return self.runner.tree(ctx, budget, self.tree_depth, self.tree_topk, self.sample)
         picks = self.runner.chain(budget, chain_chooser(self.vocab, ctx, self.sample))
         tokens = torch.tensor([token for token, _ in picks], dtype=torch.long)
         if picks[0][1] is None:
@@ -218,7 +229,8 @@ class Eagle1Drafter(EagleDrafter):
     checkpoint: directory written by `specdec train eagle1` (for this very target).
     tree: EAGLE-2 dynamic tree (default) or a chain of `gamma` tokens.
     tree_nodes: nodes per step (the budget without --gamma auto); tree_depth / tree_topk: its shape.
-    sample: at temperature > 0 (chains), sample drafts with draft_probs instead of argmax.
+    sample: at temperature > 0, sample drafts (chains and trees) with exact draft_probs instead of
+        proposing the top-k / argmax deterministically.
     draft_vocab: propose only the checkpoint's N most frequent label tokens (0 = every token).
     """
 

@@ -55,7 +55,7 @@ class LayerSkipDrafter(ModelDrafter):
 
     num_layers: run the first n blocks (default ~1/4 of the target's blocks).
     layers: or an explicit increasing list of block ids, e.g. [0, 1, 2, 3, 28, 29].
-    gamma / tree / tree_*: see ModelDrafter.
+    gamma / tree / tree_* / sample: see ModelDrafter and `small-model`.
     """
 
     name = "layer-skip"
@@ -71,8 +71,9 @@ class LayerSkipDrafter(ModelDrafter):
         tree_depth: int = 4,
         tree_topk: int = 3,
         tree_beam: int = 1,
+        sample: bool = True,
     ):
-        super().__init__(gamma, tree, tree_nodes, tree_depth, tree_topk, tree_beam)
+        super().__init__(gamma, tree, tree_nodes, tree_depth, tree_topk, tree_beam, sample)
         if target is None:
             raise ValueError("layer-skip drafts with the target's own layers: pass the target")
         if not _supports_layer_ids(target):

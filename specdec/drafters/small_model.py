@@ -11,10 +11,13 @@ Two pieces, shared with `layer-skip` (drafters/layer_skip.py):
     - chain, temperature 0: the argmax chain, a deterministic proposal (draft_probs None);
     - chain, temperature > 0: every token is SAMPLED from q = warp(draft logits) with the
       sequence's generator and its q row is returned (lossless rejection sampling);
-    - tree (SpecInfer-style top-k expansion, deterministic): a beam over depths; at each depth the
-      `tree_beam` best nodes (by cumulative draft log-probability) get their `tree_topk` best
-      children from ONE draft forward under a tree attention mask; the `budget` best nodes overall
-      form the tree (children always score <= their parent, so the best-n set is a tree).
+    - tree (`ScoredTree`, shared with EAGLE): a beam over depths; at each depth the `tree_beam`
+      best nodes get their `tree_topk` children from ONE draft forward under a tree attention
+      mask; the `budget` best nodes overall form the tree (children never score above their
+      parent nor a later sibling above an earlier one, so the best-n set is a tree). Greedy (or
+      sample=false): the top-k children by cumulative draft log-probability, deterministic;
+      temperature > 0: children drawn from q without replacement with exact rows, each slot
+      scored before its draw (see ScoredTree for why that keeps the output exact).
 
 `small-model` drafts with an independent smaller model that shares the target's tokenizer
 (default pair: qwen2.5-coder-1.5b target, qwen2.5-coder-0.5b draft).
@@ -177,11 +180,13 @@ class ModelDrafter(Drafter):
         tree_depth: int = 4,
         tree_topk: int = 3,
         tree_beam: int = 1,
+        sample: bool = True,
     ):
         self.gamma = check_positive_int("gamma", gamma)
-        if not isinstance(tree, bool):
-            raise ValueError(f"tree must be true or false, got {tree!r}")
-        self.tree = tree
+        for name, flag in (("tree", tree), ("sample", sample)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be true or false, got {flag!r}")
+        self.tree, self.sample = tree, sample
         self.tree_nodes = check_positive_int("tree_nodes", tree_nodes)
         self.tree_depth = check_positive_int("tree_depth", tree_depth)
         self.tree_topk = check_positive_int("tree_topk", tree_topk)
@@ -234,7 +239,7 @@ class ModelDrafter(Drafter):
         tokens: list[int] = []
         draft_rows: list[torch.Tensor] = []  # q each token was sampled from (temperature > 0)
         for index in range(budget):
-            if ctx.sampling.greedy:
+            if ctx.sampling.greedy or not self.sample:  # a deterministic proposal
                 token = int(logits.argmax())
             else:
                 draft_probs = warp_logits_to_probs(logits, ctx.sampling)  # [V]
@@ -248,38 +253,27 @@ class ModelDrafter(Drafter):
 
     # ------------------------------------------------------------------ tree
     def _propose_tree(self, ctx: DraftContext, budget: int, root_logits: torch.Tensor) -> Draft:
-        tree = _TreeBuilder(self.lm, ctx, self.tree_topk)
-        level = tree.expand(-1, tree.log_probs(root_logits))
+        tree = _TreeBuilder(self.lm, ctx, self.tree_topk, self.sample)
+        level = tree.expand(-1, root_logits)
         for _ in range(2, min(self.tree_depth, budget) + 1):
             frontier = tree.best(level, self.tree_beam)
             if not frontier or tree.cannot_improve(frontier, budget):
                 break
             rows = tree.node_logits(frontier)  # [len(frontier), V], one draft forward
-            level = [child for node, row in zip(frontier, rows) for child in tree.expand(node, tree.log_probs(row))]
+            level = [child for node, row in zip(frontier, rows) for child in tree.expand(node, row)]
         draft = tree.best_subtree(budget)
         tree.finish()
         return draft
 
 
-def draft_log_probs(logits: torch.Tensor, sampling) -> torch.Tensor:
-    """Draft log-probabilities that rank tree candidates [V]: warped like the target when sampling
-    (tokens the target cannot emit get -inf), the raw distribution when greedy."""
-    if sampling.greedy:
-        return torch.log_softmax(logits, dim=-1)
-    return warp_logits_to_probs(logits, sampling).log()
-
-
 class _TreeBuilder(ScoredTree):
     """A ScoredTree grown with a DraftLM: node slots live in the draft model's cache."""
 
-    def __init__(self, lm: DraftLM, ctx: DraftContext, topk: int):
-        super().__init__(topk)
-        self.lm, self.ctx = lm, ctx
+    def __init__(self, lm: DraftLM, ctx: DraftContext, topk: int, sample: bool):
+        super().__init__(topk, ctx.sampling, ctx.generator, sample)
+        self.lm = lm
         self.slot_nodes: list[int] = []  # nodes written to the draft cache after the committed tokens
         self.last_logits: dict[int, torch.Tensor] = {}
-
-    def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return draft_log_probs(logits, self.ctx.sampling)
 
     def node_logits(self, frontier: list[int]) -> torch.Tensor:
         """Draft logits [F, V] after each frontier node, from one forward under a tree mask.
@@ -366,6 +360,8 @@ class SmallModelDrafter(ModelDrafter):
         specdec.load_target), or pass `draft_target`, an already loaded Target.
     draft_dtype: dtype to load draft_model in (None = the target's dtype, float32 without target).
     gamma: chain length per step; tree / tree_*: see ModelDrafter (tree_nodes = node budget).
+    sample: at temperature > 0, sample chains and trees from q with exact draft_probs (false: argmax
+        chains and top-k trees, deterministic proposals).
     """
 
     name = "small-model"
@@ -382,8 +378,9 @@ class SmallModelDrafter(ModelDrafter):
         tree_depth: int = 4,
         tree_topk: int = 3,
         tree_beam: int = 1,
+        sample: bool = True,
     ):
-        super().__init__(gamma, tree, tree_nodes, tree_depth, tree_topk, tree_beam)
+        super().__init__(gamma, tree, tree_nodes, tree_depth, tree_topk, tree_beam, sample)
         if draft_target is None:
             if not isinstance(draft_model, str) or not draft_model:
                 raise ValueError(f"draft_model must be a model name, directory or .gguf path, got {draft_model!r}")
