@@ -59,6 +59,42 @@ def test_attention_bits_are_the_same_on_both_builds():
     assert torch.equal(avx512.attention(q, keys, values, mask), avx2.attention(q, keys, values, mask))
 
 
+def test_hidden_slots_and_slot_blocks_change_no_bits(backend):
+    """The kernel walks the slots in L1-sized blocks (parking the weighted sums in between); a row's
+    bits depend only on the slots it sees, in order: hiding a long run of slots in front moves every
+    block boundary relative to the visible slots, and the result stays bitwise the same."""
+    generator = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, hidden, visible, new = 4, 2, 64, 300, 900, 3
+    q = torch.randn(1, heads, new, head_dim, generator=generator)
+    store = torch.randn(2, 1, kv_heads, hidden + visible, head_dim, generator=generator)
+    mask = torch.ones(1, 1, new, hidden + visible, dtype=torch.bool)
+    mask[..., :hidden] = False
+    with_hidden = backend.attention(q, store[0], store[1], mask)
+    alone = backend.attention(q, store[0, :, :, hidden:], store[1, :, :, hidden:], None)
+    assert torch.equal(with_hidden, alone)
+    expected = F.scaled_dot_product_attention(q, store[0, :, :, hidden:], store[1, :, :, hidden:], enable_gqa=True)
+    assert_close_to_scale(alone, expected, rel=1e-5, what="long attention")
+
+
+@pytest.mark.parametrize("head_dim", [64, 20])  # 20: a half of 10, a vector and a scalar tail
+def test_rotary_kernel_is_bitwise_torch(backend, head_dim):
+    """The fused rotary embedding (one pass, written in the attention layout) computes torch's
+    `x * cos + rotate_half(x) * sin` element by element: the same bits, on both builds."""
+    from specdec.kernels.skinny_gemm import torch_rotary
+    from specdec.models.llama import rotary_cos_sin
+
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 3, head_dim, generator=generator) * 3  # [B, T, H, D]
+    positions = torch.tensor([[7, 8, 9, 10, 11], [0, 1, 1, 2, 900]])  # [B, T] (a tree, a far position)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    cos, sin = rotary_cos_sin(positions, inv_freq, 1.0, torch.float32)  # [B, 1, T, D]
+    expected = torch_rotary(x, cos, sin)  # [B, H, T, D]
+    actual = backend.rotary(x, cos, sin)
+    assert actual.shape == expected.shape and actual.is_contiguous()
+    assert torch.equal(actual, expected)
+    assert torch.equal(backend.rotary(x[:, 2:3], cos[:, :, 2:3], sin[:, :, 2:3]), expected[:, :, 2:3])  # a row alone
+
+
 def test_autograd_and_other_dtypes_fall_back_to_torch(backend):
     q, keys, values, mask = random_case()
     q.requires_grad_(True)

@@ -158,6 +158,12 @@ class SkinnyGemmLibrary:
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,  # T, S, D, scale
             ctypes.c_void_p, ctypes.c_int,  # out, threads
         ]  # fmt: skip
+        lib.sg_rotary.restype = ctypes.c_int
+        lib.sg_rotary.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # x, cos, sin
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # B, T, H, D
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,  # out, its b / h strides, start
+        ]  # fmt: skip
         lib.sg_block_size.argtypes = lib.sg_block_bytes.argtypes = [ctypes.c_int]
         lib.sg_block_size.restype = lib.sg_block_bytes.restype = ctypes.c_int
         self._lib = lib
@@ -285,6 +291,21 @@ class SkinnyGemmLibrary:
             raise RuntimeError(f"attention kernel rejected q {tuple(q.shape)} keys {tuple(keys.shape)}")
         return out
 
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H, D] fp32, cos / sin [B, 1, T, D] fp32 -> x * cos + rotate_half(x) * sin as
+        [B, H, T, D] contiguous: torch's expression element by element (two products and a sum,
+        each rounded once), so the same bits, in one pass instead of ~8 ops and a copy."""
+        batch, num_new, heads, head_dim = x.shape
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        out = torch.empty((batch, heads, num_new, head_dim), dtype=torch.float32)  # [B, H, T, D]
+        status = self._lib.sg_rotary(
+            x.data_ptr(), cos.data_ptr(), sin.data_ptr(), batch, num_new, heads, head_dim,
+            out.data_ptr(), heads * num_new * head_dim, num_new * head_dim, None,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"rotary kernel rejected x {tuple(x.shape)} cos {tuple(cos.shape)}")
+        return out
+
     def dequantize_rows(self, blocks: torch.Tensor, ggml_type: int, in_features: int, rows: torch.Tensor) -> torch.Tensor:
         """rows [...] int64 (checked in range by the caller) -> dequantized weight rows [..., K] fp32."""
         rows = rows.contiguous()
@@ -368,6 +389,17 @@ def _build(cxx: str, isa: str, cache_dir: Path) -> Path:
 # ---------------------------------------------------------------- backends
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def torch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding: x [B, T, H, D], cos / sin [B, 1, T, D] -> [B, H, T, D] (a transposed view's result)."""
+    x = x.transpose(1, 2)  # [B, H, T, D]
+    return x * cos + rotate_half(x) * sin
+
+
 def sdpa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """torch's attention: q [B, H, T, D], keys / values [B, H_kv, S, D], mask [B, 1, T, S] bool or
     None -> [B, H, T, D]. Fast; a row's bits depend on how many query rows share the call."""
@@ -389,6 +421,7 @@ class TorchLinear:
         return F.linear(x, weight, bias)
 
     attention = staticmethod(sdpa_attention)
+    rotary = staticmethod(torch_rotary)
 
 
 class RowwiseTorchLinear:
@@ -396,6 +429,7 @@ class RowwiseTorchLinear:
 
     name = "rowwise"
     attention = staticmethod(sdpa_attention)
+    rotary = staticmethod(torch_rotary)
 
     def __init__(self, compiler: str | None = None):
         pass
@@ -429,6 +463,14 @@ class _CompiledBackend:
         ):
             return sdpa_attention(q, keys, values, mask)
         return self.library.attention(q, keys, values, mask)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """torch_rotary's result (bitwise) in one kernel pass for fp32 CPU inference, contiguous."""
+        if not (x.dtype is _FP32 and cos.dtype is _FP32 and sin.dtype is _FP32 and x.is_cpu) or (
+            torch.is_grad_enabled() and x.requires_grad
+        ) or x.shape[-1] % 2 or cos.shape != (x.shape[0], 1, x.shape[1], x.shape[3]) or sin.shape != cos.shape:
+            return torch_rotary(x, cos, sin)
+        return self.library.rotary(x, cos, sin)
 
     def __reduce__(self):
         return (type(self), self._options)

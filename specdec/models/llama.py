@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.skinny_gemm import TorchLinear
+from ..kernels.skinny_gemm import TorchLinear, rotate_half  # noqa: F401  (rotate_half: used by drafter heads)
 from ..kv_cache import KVCache
 from .base import Target
 
@@ -50,11 +50,6 @@ def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: flo
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg, qk_norm: bool, qkv_bias: bool):
         super().__init__()
@@ -80,10 +75,8 @@ class Attention(nn.Module):
         v = _packed(self.v_proj, x, rows).view(batch, num_new, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        keys, values = cache.write(layer_slot, k, v)  # [B, H_kv, S, D]
+        q, k = self.kernels.rotary(q, cos, sin), self.kernels.rotary(k, cos, sin)  # [B, heads, T, D]
+        keys, values = cache.write(layer_slot, k, v.transpose(1, 2))  # [B, H_kv, S, D]
         out = self.kernels.attention(q, keys, values, mask)  # [B, heads, T, D]
         return _packed(self.o_proj, out.transpose(1, 2).reshape(batch, num_new, -1), rows)
 
