@@ -28,9 +28,14 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # normalise in fp32 like the reference implementation, then cast back
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    if x.dtype is not torch.float32 or torch.is_grad_enabled():
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
+    # fp32 inference (every forward of the native runtime): the same operations, so the same bits,
+    # in place on the temporaries: two casts and three allocations fewer per norm (57 per 1.5B forward)
+    scale = x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()  # [..., 1]
+    return (x * scale).mul_(weight)
 
 
 class RMSNorm(nn.Module):
@@ -118,7 +123,10 @@ class MLP(nn.Module):
     def forward(self, x, rows: PackedRows | None = None):
         if rows is not None:  # the MLP is per token: run it on the real rows only
             return rows.scatter(self.forward(rows.gather(x)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)  # [..., I] each
+        if torch.is_grad_enabled():
+            return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # the same ops in place on fresh outputs: same bits
 
 
 class Block(nn.Module):
