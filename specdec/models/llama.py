@@ -123,10 +123,9 @@ class MLP(nn.Module):
     def forward(self, x, rows: PackedRows | None = None):
         if rows is not None:  # the MLP is per token: run it on the real rows only
             return rows.scatter(self.forward(rows.gather(x)))
-        gate, up = self.gate_proj(x), self.up_proj(x)  # [..., I] each
-        if torch.is_grad_enabled():
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # the same ops in place on fresh outputs: same bits
+        hidden = F.silu(self.gate_proj(x))  # [..., I]
+        # the product in place on silu's own temporary (the projections' outputs stay untouched)
+        return self.down_proj(hidden * self.up_proj(x) if torch.is_grad_enabled() else hidden.mul_(self.up_proj(x)))
 
 
 class Block(nn.Module):
