@@ -113,7 +113,7 @@ def _packed(layer, x: torch.Tensor, rows: PackedRows | None) -> torch.Tensor:
     return rows.scatter(layer(rows.gather(x)))
 
 
-SMALL_ELEMENTWISE = 1 << 17  # elements: a verify's SiLU x up (up to 16 rows of 8960) is below
+SMALL_ELEMENTWISE = 1 << 17  # elements: a verify's SiLU x up (up to 14 rows of 8960) is below
 
 
 @contextlib.contextmanager
