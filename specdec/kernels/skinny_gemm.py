@@ -161,8 +161,7 @@ class SkinnyGemmLibrary:
         lib.sg_rotary.restype = ctypes.c_int
         lib.sg_rotary.argtypes = [
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # x, cos, sin
-            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # B, T, H, D
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,  # out, its b / h strides, start
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,  # B, T, H, D, out
         ]  # fmt: skip
         lib.sg_block_size.argtypes = lib.sg_block_bytes.argtypes = [ctypes.c_int]
         lib.sg_block_size.restype = lib.sg_block_bytes.restype = ctypes.c_int
@@ -299,9 +298,8 @@ class SkinnyGemmLibrary:
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
         out = torch.empty((batch, heads, num_new, head_dim), dtype=torch.float32)  # [B, H, T, D]
         status = self._lib.sg_rotary(
-            x.data_ptr(), cos.data_ptr(), sin.data_ptr(), batch, num_new, heads, head_dim,
-            out.data_ptr(), heads * num_new * head_dim, num_new * head_dim, None,
-        )  # fmt: skip
+            x.data_ptr(), cos.data_ptr(), sin.data_ptr(), batch, num_new, heads, head_dim, out.data_ptr()
+        )
         if status != 0:
             raise RuntimeError(f"rotary kernel rejected x {tuple(x.shape)} cos {tuple(cos.shape)}")
         return out

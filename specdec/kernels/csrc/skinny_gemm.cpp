@@ -1284,11 +1284,9 @@ void attention_rows(const LinearJob& job, int64_t begin, int64_t end) {
   }
 }
 
-// Rotary embedding, out = x * cos + rotate_half(x) * sin per element, rotate_half(x) = (-x[D/2:], x[:D/2]):
-// two products and a sum, each rounded once (no FMA), as torch computes `x * cos + rotate_half(x) * sin`,
-// so the same bits. x [B, T, H, D] contiguous (a projection's output), cos / sin [B, T, D]; writes
-// out[b, h, start[b] + t, :] at out + b * out_stride_b + h * out_stride_h + (start[b] + t) * D: the
-// [B, H, T, D] layout the attention reads, or straight into a KV cache's slots. cos null: a copy.
+// Rotary embedding of one head row, out = x * cos + rotate_half(x) * sin per element, with
+// rotate_half(x) = (-x[D/2:], x[:D/2]): two products and a sum, each rounded once (no FMA), as torch
+// computes `x * cos + rotate_half(x) * sin`, so the same bits.
 void rotary_row(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
   const int64_t half = D / 2;
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -1439,25 +1437,18 @@ int sg_attention(const float* q, const float* k, const float* v, int64_t kv_stri
   return run_job(job, num_threads, B * H * T * S * D * 2);  // multiply-adds: scores and weighted values
 }
 
-// Rotary embedding into the attention layout (see rotary_row): x [B, T, H, D] contiguous, cos / sin
-// [B, T, D] contiguous (both null: a plain copy); out[b, h, start[b] + t, :] at
-// out + b * out_stride_b + h * out_stride_h + (start[b] + t) * D, start null = 0. D even. 0, or 1.
+// Rotary embedding into the attention layout (see rotary_row): x [B, T, H, D] contiguous (a
+// projection's output), cos / sin [B, T, D] contiguous, out [B, H, T, D] contiguous. D even. 0, or 1.
 int sg_rotary(const float* x, const float* cos, const float* sin, int64_t B, int64_t T, int64_t H, int64_t D,
-              float* out, int64_t out_stride_b, int64_t out_stride_h, const int64_t* start) {
-  if (B < 0 || T < 0 || H < 0 || D <= 0 || D % 2 || (!cos) != (!sin)) return 1;
+              float* out) {
+  if (B < 0 || T < 0 || H < 0 || D <= 0 || D % 2) return 1;
   if (B == 0 || T == 0 || H == 0) return 0;
-  if (!x || !out) return 1;
+  if (!x || !cos || !sin || !out) return 1;
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t) {
-      const float* c = cos ? cos + (b * T + t) * D : nullptr;
-      const float* sn = sin ? sin + (b * T + t) * D : nullptr;
-      for (int64_t h = 0; h < H; ++h) {
-        const float* row = x + ((b * T + t) * H + h) * D;
-        float* dst = out + b * out_stride_b + h * out_stride_h + ((start ? start[b] : 0) + t) * D;
-        if (c) rotary_row(row, c, sn, D, dst);
-        else std::memcpy(dst, row, (size_t)D * sizeof(float));
-      }
-    }
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h)
+        rotary_row(x + ((b * T + t) * H + h) * D, cos + (b * T + t) * D, sin + (b * T + t) * D, D,
+                   out + ((b * H + h) * T + t) * D);
   return 0;
 }
 
