@@ -278,8 +278,10 @@ class SkinnyGemmLibrary:
         if keys.stride() != values.stride() or keys.stride()[2:] != (head_dim, 1):
             keys, values = keys.contiguous(), values.contiguous()
         q = q.contiguous()
-        if mask is not None:
-            mask = mask.expand(batch, 1, num_new, span).reshape(batch, num_new, span).contiguous()  # bool: one byte, 0 or 1
+        if mask is not None and (mask.shape != (batch, 1, num_new, span) or not mask.is_contiguous()):
+            mask = mask.expand(batch, 1, num_new, span).contiguous()
+        # mask: bool [B, 1, T, S] contiguous, i.e. the [B, T, S] bytes (0 or 1) the kernel reads; the
+        # model's mask is already that, so no op per layer
         out = torch.empty_like(q)  # [B, H, T, D]
         status = self._attention(
             q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1),
