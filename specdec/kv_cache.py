@@ -178,12 +178,14 @@ class KVCache:
         """
         num_new = new_keys.shape[2]
         starts = self.lengths
-        span = int(starts.max()) + num_new
+        first = int(starts[0])
+        # one sequence (every decode / verify step of a single request): its length is the offset
+        uniform = self.batch_size == 1 or bool((starts == first).all())
+        span = (first if uniform else int(starts.max())) + num_new
         if span > self._store.capacity or self._first_row + self.batch_size > self._store.rows:
             self.reserve(span)
         keys, values = self._layer(self._store.keys, layer), self._layer(self._store.values, layer)
-        first = int(starts[0])
-        if bool((starts == first).all()):  # the common case: one slice for the whole batch
+        if uniform:  # the common case: one slice for the whole batch
             keys[:, :, first : first + num_new] = new_keys
             values[:, :, first : first + num_new] = new_values
         else:
