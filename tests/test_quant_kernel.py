@@ -142,3 +142,21 @@ def test_bad_blocks_are_refused_with_a_clear_message(backend):
         gguf_module(torch.nn.Conv1d(1, 1, 1), blocks, KERNEL_TYPES["Q8_0"], None, backend)
     linear = gguf_module(torch.nn.Linear(64, 4, device="meta"), blocks, KERNEL_TYPES["Q8_0"], None, backend)
     assert isinstance(linear, GGUFLinear) and linear.out_features == 4
+
+
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+@pytest.mark.parametrize("name", list(KERNEL_TYPES))
+def test_rows_of_a_long_prefill_equal_the_rows_alone_bitwise(backend, name, activations):
+    """A 300-row call (a prefill: several row panels, each decoding the weights once for all its
+    row blocks) gives every row bitwise as that row alone, which decodes per row block."""
+    qtype = KERNEL_TYPES[name]
+    block = GGML_QUANT_SIZES[GGMLQuantizationType[name]][0]
+    in_features = block * (40 if block == 32 else 5)  # past the 512-weight K chunk
+    blocks = random_blocks(name, 37, in_features, seed=11)  # odd N: a partial column tile
+    layer = GGUFLinear(blocks, qtype, in_features, None, backend, activations=activations)
+    x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(12))  # [300, K]
+    out = layer(x)  # [300, N]
+    for i in range(len(x)):
+        assert torch.equal(out[i], layer(x[i : i + 1])[0]), f"row {i} of the 300-row call differs from the row alone"
+    if activations == "fp32":
+        assert torch.equal(out, backend.linear(x, dequantize_blocks(blocks, qtype), None))

@@ -33,6 +33,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 #include <unistd.h>
@@ -878,6 +879,96 @@ inline tile_fn pick_tile(int mr, int nr) {
   return kTileTable<Fmt, kA8>[(mr - 1) * kColsPerTile + (nr - 1)];
 }
 
+// ---------------------------------------------------------------- decode once per row panel
+// Many rows (a long prefill): the weights of a tile's K-chunk are decoded ONCE into an L1-sized
+// scratch and every row block of the panel runs against that, instead of each 4-row block
+// decoding the same blocks again. The scratch holds exactly the values the tile would compute
+// from the blocks (exact mode: the fp32 weight vectors of Fmt::load; a8: the int8 quants and
+// int16 scale vectors, integers), and the tile does the same float operations on them in the
+// same order, so every output keeps its bits: a row is the same in a 741-row call and alone.
+// Decoded<Fmt, kA8>::kAvailable says whether a format has a decoded form; Tile is the format the
+// tile reads the scratch with, kBlockBytes the scratch bytes per Fmt::kBlock weights of a row.
+template <typename Fmt, bool kA8, typename = void>
+struct Decoded {
+  static constexpr bool kAvailable = false;
+};
+
+// exact mode, any GGUF format: the fp32 weights, read back as an fp32 row (F32Format)
+template <typename Fmt>
+struct Decoded<Fmt, false, std::enable_if_t<!Fmt::kTail>> {
+  static constexpr bool kAvailable = true;
+  using Tile = F32Format;
+  static constexpr int64_t kBlockBytes = Fmt::kBlock * (int64_t)sizeof(float);
+  static void decode(const uint8_t* block, uint8_t* out) {
+    typename Fmt::Scales scales;
+    Fmt::prepare(block, scales);
+#pragma GCC unroll 32
+    for (int e = 0; e < Fmt::kBlock; e += V) vstore((float*)out + e, Fmt::load(block, scales, e));
+  }
+};
+
+// a8 mode, K-quants (Q4_K, Q5_K, Q6_K): per 256 weights the integer sub-block scales, the quant
+// vectors and the int16 scale vectors exactly as a8_tile builds them from the block
+struct DecodedKQuantBlock {
+  float d, dmin;
+  alignas(16) int16_t m[8];
+  alignas(64) uint8_t quants[256];   // quants64 per pair (zmm build) or quants32 per sub-block
+  alignas(64) uint8_t scale16[256];  // a8_scale16_pair per pair (zmm build) or a8_scale16 per sub-block
+};
+struct DecodedKQuantScales {  // what a8_tile reads of Fmt::A8Scales, pointing into the block
+  float d, dmin;
+  const int16_t* m;
+  const uint8_t* scale16;
+};
+template <typename Fmt>
+struct DecodedKQuantA8 {  // a8_tile's view of a DecodedKQuantBlock
+  static constexpr int kBlock = 256, kBytes = sizeof(DecodedKQuantBlock);
+  static constexpr bool kTail = false, kSigned = Fmt::kSigned, kHasMin = Fmt::kHasMin;
+  static constexpr int kA8Block = 256;
+  using A8Scales = DecodedKQuantScales;
+  static const DecodedKQuantBlock& of(const uint8_t* b) { return *(const DecodedKQuantBlock*)b; }
+  static void prepare_a8(const uint8_t* b, A8Scales& s) {
+    s = {of(b).d, of(b).dmin, of(b).m, of(b).scale16};
+  }
+  static __m256i quants32(const uint8_t* b, int sub) { return _mm256_load_si256((const __m256i*)(of(b).quants + 32 * sub)); }
+  static __m256i a8_scale16(const A8Scales& s, int sub) { return _mm256_load_si256((const __m256i*)(s.scale16 + 32 * sub)); }
+#ifdef SG_A8_ZMM
+  static constexpr int kZmmOffset = Fmt::kZmmOffset;
+  static __m512i quants64(const uint8_t* b, int pair) { return _mm512_load_si512((const void*)(of(b).quants + 64 * pair)); }
+  static __m512i a8_scale16_pair(const A8Scales& s, int pair) { return _mm512_load_si512((const void*)(s.scale16 + 64 * pair)); }
+#endif
+};
+template <typename Fmt>
+struct Decoded<Fmt, true, std::enable_if_t<Fmt::kA8Block == 256>> {
+  static constexpr bool kAvailable = true;
+  using Tile = DecodedKQuantA8<Fmt>;
+  static constexpr int64_t kBlockBytes = sizeof(DecodedKQuantBlock);
+  static void decode(const uint8_t* block, uint8_t* out) {
+    DecodedKQuantBlock& d = *(DecodedKQuantBlock*)out;
+    typename Fmt::A8Scales scales;
+    Fmt::prepare_a8(block, scales);
+    d.d = scales.d, d.dmin = scales.dmin;
+    std::memcpy(d.m, scales.m, sizeof d.m);
+#ifdef SG_A8_ZMM
+#pragma GCC unroll 4
+    for (int pair = 0; pair < 4; ++pair) {
+      _mm512_store_si512((void*)(d.quants + 64 * pair), Fmt::quants64(block, pair));
+      _mm512_store_si512((void*)(d.scale16 + 64 * pair), Fmt::a8_scale16_pair(scales, pair));
+    }
+#else
+#pragma GCC unroll 8
+    for (int sub = 0; sub < 8; ++sub) {
+      _mm256_store_si256((__m256i*)(d.quants + 32 * sub), Fmt::quants32(block, sub));
+      _mm256_store_si256((__m256i*)(d.scale16 + 32 * sub), Fmt::a8_scale16(scales, sub));
+    }
+#endif
+  }
+};
+
+// Row blocks (of MR rows) a panel needs before decoding once pays for the scratch stores and
+// loads (below it, each block decodes the weights itself, as for a decode step or a verify).
+constexpr int64_t kDecodeOnceMinBlocks = 4;
+
 struct LinearJob {
   const float* x;
   int64_t M, K;
@@ -900,29 +991,52 @@ struct LinearJob {
 // would leave memory idle while the later blocks compute).
 template <typename Fmt, bool kA8 = false>
 void run_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
+  using Dec = Decoded<Fmt, kA8>;
   const int64_t max_blocks = (std::min(job.rows_per_panel, job.M) + kMaxRowsPerTile - 1) / kMaxRowsPerTile;
   std::vector<float> saved((size_t)(max_blocks * kMaxRowsPerTile * kColsPerTile * kSavedFloats));
+  // decode-once scratch: NR decoded rows of the whole K (only the current chunk is written and
+  // read, so what is touched stays in L1), 64-byte aligned
+  std::unique_ptr<uint8_t[]> scratch_buffer;
+  uint8_t* scratch = nullptr;
+  int64_t scratch_ldw = 0;
+  if constexpr (Dec::kAvailable) {
+    if (max_blocks >= kDecodeOnceMinBlocks) {
+      scratch_ldw = job.K / Fmt::kBlock * Dec::kBlockBytes;
+      scratch_buffer.reset(new uint8_t[(size_t)(kColsPerTile * scratch_ldw + 64)]);
+      scratch = scratch_buffer.get() + (64 - (uintptr_t)scratch_buffer.get() % 64) % 64;
+    }
+  }
   for (int64_t p0 = 0; p0 < job.M; p0 += job.rows_per_panel) {
     const int64_t panel_rows = std::min(job.rows_per_panel, job.M - p0);
     const int64_t row_blocks = (panel_rows + kMaxRowsPerTile - 1) / kMaxRowsPerTile;
     const int64_t k_chunk = row_blocks > 1 ? kKChunk : job.K;
+    const bool decode_once = scratch && row_blocks >= kDecodeOnceMinBlocks;
     for (int64_t t = tile_begin; t < tile_end; ++t) {
       const int64_t j0 = t * kColsPerTile;
       const int nr = (int)std::min<int64_t>(kColsPerTile, job.N - j0);
+      const uint8_t* w = job.w + j0 * job.row_bytes;
       TileArgs args;
-      args.w = job.w + j0 * job.row_bytes;
-      args.ldw = job.row_bytes;
+      args.w = decode_once ? scratch : w;
+      args.ldw = decode_once ? scratch_ldw : job.row_bytes;
       args.ldx = args.K = job.K;
       args.scale = job.scale ? job.scale + j0 : nullptr;
       args.bias = job.bias ? job.bias + j0 : nullptr;
       args.ldy = job.N;
       // prefetch the tile kPrefetchTiles ahead (within this thread's range) while computing this one
-      args.prefetch = t + kPrefetchTiles < tile_end ? args.w + kPrefetchTiles * kColsPerTile * job.row_bytes : nullptr;
+      // (decoding once: many rows make the tile compute-bound, the hardware prefetcher keeps up)
+      args.prefetch = !decode_once && t + kPrefetchTiles < tile_end ? w + kPrefetchTiles * kColsPerTile * job.row_bytes : nullptr;
       args.pf_stride = row_blocks;
       args.ldxq = a8_row_bytes(job.K);
       for (int64_t k0 = 0; k0 < job.K; k0 += k_chunk) {
         args.k_begin = k0;
         args.k_end = std::min(job.K, k0 + k_chunk);
+        if constexpr (Dec::kAvailable) {
+          if (decode_once)
+            for (int c = 0; c < nr; ++c)
+              for (int64_t kb = k0; kb < args.k_end; kb += Fmt::kBlock)
+                Dec::decode(w + c * job.row_bytes + kb / Fmt::kBlock * Fmt::kBytes,
+                            scratch + c * scratch_ldw + kb / Fmt::kBlock * Dec::kBlockBytes);
+        }
         for (int64_t block = 0; block < row_blocks; ++block) {
           const int64_t row = p0 + block * kMaxRowsPerTile;
           const int mr = (int)std::min<int64_t>(kMaxRowsPerTile, p0 + panel_rows - row);
@@ -931,6 +1045,12 @@ void run_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
           args.y = job.y + row * job.N + j0;
           args.saved = saved.data() + block * kMaxRowsPerTile * kColsPerTile * kSavedFloats;
           args.pf_phase = block;
+          if constexpr (Dec::kAvailable) {
+            if (decode_once) {
+              pick_tile<typename Dec::Tile, kA8>(mr, nr)(args);
+              continue;
+            }
+          }
           pick_tile<Fmt, kA8>(mr, nr)(args);
         }
       }
