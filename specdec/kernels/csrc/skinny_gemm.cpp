@@ -668,6 +668,12 @@ inline __m256i dot_u8_i8_scaled(__m256i acc, __m256i u, __m256i s, __m256i scale
 
 // The float accumulators live in a.saved (8 lanes + the min-term sum per output): the K-quant path
 // touches them once per 256 weights, and keeping them out of registers leaves room for the integer sums.
+// Formats whose a8 tile runs two columns per zmm (the decoded 32-weight blocks of the VNNI build)
+template <typename Fmt, typename = void>
+struct pairs_columns : std::false_type {};
+template <typename Fmt>
+struct pairs_columns<Fmt, std::void_t<decltype(Fmt::kPairColumns)>> : std::bool_constant<Fmt::kPairColumns> {};
+
 template <typename Fmt, int MR, int NR>
 void a8_tile(const TileArgs& a) {
   // a.saved, per row r (kRowFloats floats): the 8 acc lanes of each column side by side (two
@@ -686,6 +692,33 @@ void a8_tile(const TileArgs& a) {
     }
   }
   constexpr int kSubs = Fmt::kBlock / kA8Sub;
+  // 32-weight formats: the float accumulators are updated every 32 weights, so they stay in
+  // registers over this K range (the same operations on the same values as in memory)
+  constexpr bool kBlock32 = Fmt::kA8Block == kA8Sub;
+  [[maybe_unused]] __m256 acc32[MR][NR];
+  [[maybe_unused]] float mins32[MR][NR];
+  constexpr bool kPaired = pairs_columns<Fmt>::value;
+  constexpr int kPairs = NR / 2;  // paired: columns 2p, 2p + 1 in acc_pair[r][p]; an odd last column in acc32
+#ifdef SG_A8_ZMM
+  [[maybe_unused]] __m512 acc_pair[MR][kPairs > 0 ? kPairs : 1];
+  auto load_pair = [&](int r, int c) { acc_pair[r][c / 2] = _mm512_loadu_ps(acc_of(r, c)); };
+  auto store_pair = [&](int r, int c) { _mm512_storeu_ps(acc_of(r, c), acc_pair[r][c / 2]); };
+#else
+  auto load_pair = [](int, int) {}, store_pair = [](int, int) {};  // kPaired is zmm-only
+#endif
+  if constexpr (kBlock32) {
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) {
+        if (kPaired && c < 2 * kPairs) {
+          if (c % 2 == 0) load_pair(r, c);
+        } else {
+          acc32[r][c] = _mm256_loadu_ps(acc_of(r, c));
+        }
+        mins32[r][c] = mins_of(r)[4 * c];
+      }
+  }
   constexpr int64_t kLine = 64;
   int64_t next_prefetch = INT64_MAX;
   if (a.prefetch) {
@@ -699,6 +732,50 @@ void a8_tile(const TileArgs& a) {
       for (int c = 0; c < NR; ++c) _mm_prefetch((const char*)(a.prefetch + c * a.ldw + next_prefetch), _MM_HINT_T1);
       next_prefetch += a.pf_stride * kLine;
     }
+#ifdef SG_A8_ZMM
+    if constexpr (kBlock32 && kPaired) {  // see DecodedBlock32A8
+      typename Fmt::Scales scales[NR];
+      __m512i wq2[kPairs > 0 ? kPairs : 1], start2[kPairs > 0 ? kPairs : 1];  // columns 2p | 2p + 1
+      __m512 scale2[kPairs > 0 ? kPairs : 1];
+      auto pair_of = [](__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); };
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) Fmt::prepare(a.w + c * a.ldw + offset, scales[c]);
+#pragma GCC unroll 4
+      for (int p = 0; p < kPairs; ++p) {
+        const uint8_t* b0 = a.w + 2 * p * a.ldw + offset;
+        const uint8_t* b1 = b0 + a.ldw;
+        wq2[p] = pair_of(Fmt::quants32(b0, 0), Fmt::quants32(b1, 0));
+        start2[p] = Fmt::kSigned ? pair_of(Fmt::neg_offset_sums(b0), Fmt::neg_offset_sums(b1)) : _mm512_setzero_si512();
+        scale2[p] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(Fmt::a8_scale(scales[2 * p], 0))),
+                                                        _mm256_castps_pd(Fmt::a8_scale(scales[2 * p + 1], 0)), 1));
+      }
+      const uint8_t* last = a.w + (NR - 1) * a.ldw + offset;
+      const int64_t ab = kb / kA8Sub;
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const A8Row row(a.xq + r * a.ldxq, a.K);
+        __m512i xv = broadcast32(row.q + kb);
+        if constexpr (Fmt::kSigned) xv = _mm512_xor_si512(xv, _mm512_set1_epi8((char)0x80));  // x + 128, unsigned
+        const __m512 dx = _mm512_set1_ps(row.d[ab]);
+#pragma GCC unroll 4
+        for (int p = 0; p < kPairs; ++p) {
+          const __m512i dot = Fmt::kSigned ? _mm512_dpbusd_epi32(start2[p], xv, wq2[p]) : _mm512_dpbusd_epi32(start2[p], wq2[p], xv);
+          acc_pair[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale2[p], dx), acc_pair[r][p]);
+        }
+        if constexpr (NR % 2) {
+          const __m256i x8 = _mm512_castsi512_si256(xv);
+          const __m256i dot = Fmt::kSigned ? _mm256_dpbusd_epi32(Fmt::neg_offset_sums(last), x8, Fmt::quants32(last, 0))
+                                           : _mm256_dpbusd_epi32(_mm256_setzero_si256(), Fmt::quants32(last, 0), x8);
+          acc32[r][NR - 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(Fmt::a8_scale(scales[NR - 1], 0), _mm512_castps512_ps256(dx)),
+                                             acc32[r][NR - 1]);
+        }
+        if constexpr (Fmt::kHasMin) {
+#pragma GCC unroll 8
+          for (int c = 0; c < NR; ++c) mins32[r][c] = mins32[r][c] + Fmt::a8_min(scales[c], 0) * row.ds[ab];
+        }
+      }
+    } else
+#endif
     if constexpr (Fmt::kA8Block == kA8Sub) {  // a float scale per 32 weights and per 32 activations
       typename Fmt::Scales scales[NR];
       __m256i wq[NR], wsign[NR];  // |q| for signed formats (the sign moves onto the activations)
@@ -716,11 +793,9 @@ void a8_tile(const TileArgs& a) {
         const __m256 dx = _mm256_set1_ps(row.d[ab]);
 #pragma GCC unroll 8
         for (int c = 0; c < NR; ++c) {
-          float* acc = acc_of(r, c);
           const __m256i dot = dot_u8_i8(wq[c], Fmt::kSigned ? _mm256_sign_epi8(xv, wsign[c]) : xv);
-          _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(Fmt::a8_scale(scales[c], 0), dx),
-                                                _mm256_loadu_ps(acc)));
-          if constexpr (Fmt::kHasMin) mins_of(r)[4 * c] = mins_of(r)[4 * c] + Fmt::a8_min(scales[c], 0) * row.ds[ab];
+          acc32[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(Fmt::a8_scale(scales[c], 0), dx), acc32[r][c]);
+          if constexpr (Fmt::kHasMin) mins32[r][c] = mins32[r][c] + Fmt::a8_min(scales[c], 0) * row.ds[ab];
         }
       }
     } else {  // K-quants: integer sub-block scales, one fp32 update per 256
@@ -847,6 +922,19 @@ void a8_tile(const TileArgs& a) {
       }
     }
   }
+  if constexpr (kBlock32) {
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) {
+        if (kPaired && c < 2 * kPairs) {
+          if (c % 2 == 0) store_pair(r, c);
+        } else {
+          _mm256_storeu_ps(acc_of(r, c), acc32[r][c]);
+        }
+        mins_of(r)[4 * c] = mins32[r][c];
+      }
+  }
   if (a.k_end < a.K) return;  // the sums stay parked in a.saved
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
@@ -961,6 +1049,48 @@ struct Decoded<Fmt, true, std::enable_if_t<Fmt::kA8Block == 256>> {
       _mm256_store_si256((__m256i*)(d.quants + 32 * sub), Fmt::quants32(block, sub));
       _mm256_store_si256((__m256i*)(d.scale16 + 32 * sub), Fmt::a8_scale16(scales, sub));
     }
+#endif
+  }
+};
+
+// a8 mode, 32-weight formats (Q4_0, Q4_1, Q5_0, Q8_0): the block's scales and its 32 quants
+// zmm build (VNNI): two columns per zmm. vpdpbusd wants unsigned bytes on one side and AVX-512 has
+// no vpsignb, so signed formats take x + 128 (x ^ 0x80) times the signed quants and start each
+// int32 lane from -128 * (the lane's 4 quants summed), stored with the block: every int32 lane is
+// again exactly the lane's x . q, and the float steps that follow are those of the 256-bit code.
+template <typename Fmt>
+struct DecodedBlock32A8 {  // a8_tile's view of a decoded block: Scales, the quants at byte 32 (zmm: -128 * sums at 64)
+#ifdef SG_A8_ZMM
+  static constexpr int kBlock = 32, kBytes = 96;
+  static constexpr bool kPairColumns = true;
+  static __m256i neg_offset_sums(const uint8_t* b) { return _mm256_load_si256((const __m256i*)(b + 64)); }
+#else
+  static constexpr int kBlock = 32, kBytes = 64;
+  static constexpr bool kPairColumns = false;
+#endif
+  static_assert(sizeof(typename Fmt::Scales) <= 32, "the scales fit before the quants");
+  static constexpr bool kTail = false, kSigned = Fmt::kSigned, kHasMin = Fmt::kHasMin;
+  static constexpr int kA8Block = 32;
+  using Scales = typename Fmt::Scales;
+  static void prepare(const uint8_t* b, Scales& s) { std::memcpy(&s, b, sizeof s); }
+  static __m256i quants32(const uint8_t* b, int) { return _mm256_load_si256((const __m256i*)(b + 32)); }
+  static __m256 a8_scale(const Scales& s, int sub) { return Fmt::a8_scale(s, sub); }
+  static float a8_min(const Scales& s, int sub) { return Fmt::a8_min(s, sub); }
+};
+template <typename Fmt>
+struct Decoded<Fmt, true, std::enable_if_t<Fmt::kA8Block == 32>> {
+  static constexpr bool kAvailable = true;
+  using Tile = DecodedBlock32A8<Fmt>;
+  static constexpr int64_t kBlockBytes = Tile::kBytes;
+  static void decode(const uint8_t* block, uint8_t* out) {
+    typename Fmt::Scales scales;
+    Fmt::prepare(block, scales);
+    std::memcpy(out, &scales, sizeof scales);
+    const __m256i quants = Fmt::quants32(block, 0);
+    _mm256_store_si256((__m256i*)(out + 32), quants);
+#ifdef SG_A8_ZMM
+    const __m256i offset_sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), quants);  // 128 * sums
+    _mm256_store_si256((__m256i*)(out + 64), _mm256_sub_epi32(_mm256_setzero_si256(), offset_sums));
 #endif
   }
 };
