@@ -136,6 +136,19 @@ def test_a8_bits_are_the_same_on_the_avx2_and_avx512_builds(name):
     assert torch.equal(*outputs)
 
 
+@pytest.mark.parametrize("name", list(KERNEL_TYPES))
+def test_a8_prefill_bits_are_the_same_on_the_avx2_and_avx512_builds(name):
+    """300 rows: the many-row path (weights decoded once per row panel; on VNNI CPUs two columns
+    per zmm for the 32-weight formats) keeps the bits of the AVX2 build."""
+    avx512, avx2 = isa_backend("avx512"), isa_backend("avx2")
+    qtype = KERNEL_TYPES[name]
+    in_features = block_of(name) * (20 if block_of(name) == 32 else 3)
+    blocks = random_blocks(name, 23, in_features, seed=8)  # odd N: a partial column tile
+    x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(9))  # [300, K]
+    outputs = [GGUFLinear(blocks, qtype, in_features, None, b, activations="int8")(x) for b in (avx512, avx2)]
+    assert torch.equal(*outputs)
+
+
 def test_a8_mode_errors_are_clear():
     backend = CppSkinnyLinear()
     blocks = random_blocks("Q8_0", 4, 64, seed=0)
