@@ -11,7 +11,6 @@ GGUF-sourced checkpoint `GGUFLinear` / `GGUFEmbedding`, which keep the file's qu
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -113,30 +112,6 @@ def _packed(layer, x: torch.Tensor, rows: PackedRows | None) -> torch.Tensor:
     return rows.scatter(layer(rows.gather(x)))
 
 
-SMALL_ELEMENTWISE = 1 << 17  # elements: a verify's SiLU x up (up to 14 rows of 8960) is below
-
-
-@contextlib.contextmanager
-def _one_thread_below(numel: int):
-    """Run torch's elementwise ops single-threaded for tensors under SMALL_ELEMENTWISE elements.
-
-    torch splits an elementwise op over more than 32768 elements into an OpenMP parallel region; at
-    verify sizes that is ~30 us of work, and the region waits for its second thread, which has to
-    wake (OMP_WAIT_POLICY=PASSIVE) and to take the core from the kernel pool's spinning worker (or
-    from another process). Same bits when each thread's share is a whole number of torch's vector
-    steps (32 floats), as for every registry model (intermediate sizes 1536, 4864, 8960): every
-    element then goes through the same vectorized loop either way."""
-    threads = torch.get_num_threads()
-    if threads == 1 or numel >= SMALL_ELEMENTWISE:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -151,8 +126,7 @@ class MLP(nn.Module):
         gate, up = self.gate_proj(x), self.up_proj(x)  # [..., I] each
         if torch.is_grad_enabled():
             return self.down_proj(F.silu(gate) * up)
-        with _one_thread_below(gate.numel()):  # the product in place on silu's own temporary
-            return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(F.silu(gate).mul_(up))  # the product in place on silu's own temporary
 
 
 class Block(nn.Module):
