@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from ..checks import check_int, check_positive_int
-from ..models.llama import Block, RMSNorm, rotate_half
+from ..kernels.skinny_gemm import rotate_half
+from ..models.llama import Block, RMSNorm
 from .modules import DraftHeads, FrozenTargetParts, TargetRope, dense_state_dict, register_head_type
 
 DEFAULT_BLOCK_SIZE = 8
