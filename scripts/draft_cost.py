@@ -48,13 +48,16 @@ def untrained_drafter(target, kind: str, directory: str, num_positions: int, **o
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--weights", default=None, choices=["gguf", "gguf-a8", "fp32"], help="the target's weights (load_target)")
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--eagle-depths", default="1,4,8", help="EAGLE-3 chain lengths to time")
+    parser.add_argument("--draft-weights", default="int8", choices=["int8", "fp32"],
+                        help="the drafters' own linears while drafting (specdec.heads.draft_linears)")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    target = load_target(args.model, progress=False)
+    target = load_target(args.model, weights=args.weights, progress=False)
     rows = {}
     plain = per_step_ms(target, None, args.max_new_tokens, None)
     t1 = plain["verify_ms"]
@@ -64,18 +67,19 @@ def main(argv=None) -> int:
                                          ("dflash", args.block_size - 1, {"block_size": args.block_size})):
             directory = os.path.join(tmp, kind)
             untrained_drafter(target, kind, directory, positions, **options)
-            drafter = make_drafter(kind, target, checkpoint=directory)
+            drafter = make_drafter(kind, target, checkpoint=directory, draft_weights=args.draft_weights)
             rows[f"{kind} block {args.block_size}"] = per_step_ms(target, drafter, args.max_new_tokens, positions)
             del drafter
         directory = os.path.join(tmp, "eagle3")
         depths = [int(d) for d in args.eagle_depths.split(",")]
         untrained_drafter(target, "eagle3", directory, max(depths))
         for depth in depths:
-            drafter = make_drafter("eagle3", target, checkpoint=directory, tree=False, gamma=depth)
+            drafter = make_drafter("eagle3", target, checkpoint=directory, tree=False, gamma=depth,
+                                   draft_weights=args.draft_weights)
             rows[f"eagle3 chain {depth}"] = per_step_ms(target, drafter, args.max_new_tokens, depth)
-        drafter = make_drafter("eagle3", target, checkpoint=directory)
+        drafter = make_drafter("eagle3", target, checkpoint=directory, draft_weights=args.draft_weights)
         rows["eagle3 tree (default)"] = per_step_ms(target, drafter, args.max_new_tokens, None)
-    print(f"{args.model}: T(1) = {t1:.1f} ms (plain decoding's verify per step, this process)")
+    print(f"{args.model} ({args.weights or 'default'} weights), draft weights {args.draft_weights}: T(1) = {t1:.1f} ms (plain decoding's verify per step, this process)")
     print(f"{'config':24s} {'drafted':>8s} {'draft ms':>9s} {'/T(1)':>6s} {'verify ms':>10s} {'/T(1)':>6s}")
     for name, row in rows.items():
         print(f"{name:24s} {row['drafted_per_step']:8.1f} {row['draft_ms']:9.1f} {row['draft_ms'] / t1:6.2f} "

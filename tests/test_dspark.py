@@ -25,6 +25,7 @@ from specdec.heads.dspark import (
     position_weights, survival_ece,
 )
 from specdec.heads.export import export_dspark, load_dspark_export
+from specdec.kernels import FastLinear, make_backend
 from specdec.loop import run
 from specdec.sampling import warp_logits_to_probs
 from specdec.train import TrainSettings, build_heads, load_samples, train
@@ -193,13 +194,19 @@ def test_dspark_backbone_drafts_from_the_anchor_row(counter):
 
 
 @torch.no_grad()
-def test_drafted_q_is_the_trained_computation(smollm2):
+@pytest.mark.parametrize("draft_weights", ["fp32", "int8"])
+def test_drafted_q_is_the_trained_computation(smollm2, draft_weights):
     """On SmolLM2 with random weights: the drafter's exact q rows (backbone + sequential bias given
-    the token it drafted before) equal the teacher-forced training logits of the same tokens."""
+    the token it drafted before) equal the teacher-forced training logits of the same tokens — to
+    float rounding with fp32 draft weights, to int8 weight rounding with the default int8 ones."""
+    kernel = make_backend("auto").backend.name  # "torch" where the kernel is off: draft_weights is then moot
     for head in ("markov", "rnn"):
         module = _perturbed(build_heads("dspark", smollm2, 5, block_size=5, markov_rank=16, sequential_head=head), scale=0.02)
         torch.nn.init.normal_(module.sequential.markov_head.markov_w2.weight, std=0.5)
-        drafter = DSparkDrafter.from_module(smollm2, module)
+        drafter = DSparkDrafter.from_module(smollm2, module, draft_weights=draft_weights)
+        expected_backend = "torch" if kernel == "torch" else {"fp32": kernel, "int8": "int8"}[draft_weights]
+        assert drafter.linear_backend == expected_backend
+        assert {linear.backend.name for linear in module.modules() if isinstance(linear, FastLinear)} == {expected_backend}
         prompt = smollm2.tokenizer.encode("The capital of France is")
         draft = _proposal(drafter, smollm2, prompt, 5, SamplingParams(temperature=1.0, seed=1))
         assert draft.confidences is not None and draft.confidences.shape == (5,)
@@ -211,8 +218,10 @@ def test_drafted_q_is_the_trained_computation(smollm2):
         hidden = module.block_hidden(context, torch.tensor([prompt[-1]]), parts)  # [1, K, H]
         previous = torch.tensor([[prompt[-1], *draft.tokens[:-1].tolist()]])
         logits, confidence = module.block_logits({"hidden": hidden, "previous": previous}, parts)
-        assert_close_to_scale(draft.draft_probs, torch.softmax(logits[0].float(), -1), what=f"{head}: q")
-        assert_close_to_scale(draft.confidences, module.sequential.calibrated(confidence)[0], what=f"{head}: confidences")
+        rel = 1e-4 if expected_backend != "int8" else 0.1  # int8: every weight rounded to 1/254 of its row's max |w|
+        assert_close_to_scale(draft.draft_probs, torch.softmax(logits[0].float(), -1), rel=rel, what=f"{head}: q")
+        assert_close_to_scale(draft.confidences, module.sequential.calibrated(confidence)[0], rel=rel,
+                              what=f"{head}: confidences")
 
 
 def test_greedy_on_smollm2_through_the_loop_equals_plain(smollm2):

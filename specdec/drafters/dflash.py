@@ -21,7 +21,7 @@ import torch
 
 from ..checks import check_int
 from ..draft import Draft
-from ..heads import DFlashModule, DraftVocab, FrozenTargetParts, grow_cache, load_checkpoint
+from ..heads import DFlashModule, DraftVocab, FrozenTargetParts, draft_linears, grow_cache, load_checkpoint
 from ..heads.export import is_dflash_export, load_dflash_export
 from ..kv_cache import KVCache
 from .base import DraftContext, Drafter, register_drafter
@@ -73,6 +73,8 @@ class DFlashDrafter(Drafter):
         DFlashDraftModel directory (`specdec export`, SGLang / vLLM layout) for this target.
     sample: at temperature > 0, sample each draft token from its row's q (draft_probs) instead of argmax.
     draft_vocab: propose only the checkpoint's N most frequent label tokens (0 = every token).
+    draft_weights: the drafter's own linears while drafting: int8 (default: weight-only int8 in the CPU
+        kernel, a quarter of fp32's bytes per draft forward) or fp32 (specdec.heads.draft_linears).
     """
 
     name = "dflash"
@@ -81,7 +83,8 @@ class DFlashDrafter(Drafter):
     is_export = staticmethod(is_dflash_export)
     load_export = staticmethod(load_dflash_export)
 
-    def __init__(self, target=None, checkpoint: str | None = None, sample: bool = True, draft_vocab: int = 8192):
+    def __init__(self, target=None, checkpoint: str | None = None, sample: bool = True, draft_vocab: int = 8192,
+                 draft_weights: str = "int8"):
         if target is None:
             raise ValueError(f"the {self.name} drafter needs the target (its embeddings, LM head and hidden states)")
         if not checkpoint:
@@ -91,17 +94,17 @@ class DFlashDrafter(Drafter):
         else:
             heads, config = load_checkpoint(checkpoint, target, drafter=self.name)
         vocab = DraftVocab.from_config(FrozenTargetParts.from_target(target), config, draft_vocab)
-        self._setup(target, heads, vocab, sample)
+        self._setup(target, heads, vocab, sample, draft_weights)
 
     @classmethod
-    def from_module(cls, target, heads: DFlashModule, sample: bool = True) -> DFlashDrafter:
+    def from_module(cls, target, heads: DFlashModule, sample: bool = True, draft_weights: str = "int8") -> DFlashDrafter:
         """A drafter around an in-memory module (e.g. right after training), without a checkpoint."""
         drafter = cls.__new__(cls)
         heads = heads.to(device=target.device, dtype=target.dtype).eval()
-        drafter._setup(target, heads, DraftVocab(FrozenTargetParts.from_target(target), None), sample)
+        drafter._setup(target, heads, DraftVocab(FrozenTargetParts.from_target(target), None), sample, draft_weights)
         return drafter
 
-    def _setup(self, target, heads: DFlashModule, vocab: DraftVocab, sample: bool) -> None:
+    def _setup(self, target, heads: DFlashModule, vocab: DraftVocab, sample: bool, draft_weights: str = "int8") -> None:
         # the exact kind, not only isinstance: a DSpark module IS a DFlash module, but drafting it
         # without its sequential head would propose from the wrong q (DSparkDrafter checks its own)
         if not isinstance(heads, DFlashModule) or (type(self) is DFlashDrafter and heads.kind != DFlashModule.kind):
@@ -110,6 +113,7 @@ class DFlashDrafter(Drafter):
         if not isinstance(sample, bool):
             raise ValueError(f"sample must be true or false, got {sample!r}")
         self.target, self.heads, self.vocab, self.sample = target, heads, vocab, sample
+        self.linear_backend = draft_linears(heads, vocab, draft_weights)
         self.hidden_layers = tuple(heads.input_layers)
         self.default_budget = heads.num_positions
         target_params = sum(p.numel() for p in target.model.parameters())

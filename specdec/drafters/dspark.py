@@ -31,6 +31,7 @@ class DSparkDrafter(DFlashDrafter):
         directory in DeepSpec's layout (`specdec export`) for this target.
     sample: at temperature > 0, sample each draft token from its exact q (draft_probs) instead of argmax.
     draft_vocab: propose only the checkpoint's N most frequent label tokens (0 = every token).
+    draft_weights: int8 (default) or fp32, as for `dflash`.
     """
 
     name = "dspark"
@@ -49,7 +50,7 @@ class DSparkDrafter(DFlashDrafter):
             base_logits, hidden, ctx.tokens[-1], chain_chooser(self.vocab, ctx, self.sample), self.vocab.ids)
         return Draft.chain(torch.tensor(tokens, dtype=torch.long), probs, confidences)
 
-    def _setup(self, target, heads, vocab: DraftVocab, sample: bool) -> None:
+    def _setup(self, target, heads, vocab: DraftVocab, sample: bool, draft_weights: str = "int8") -> None:
         if not isinstance(heads, DSparkModule):
             raise ValueError(f"the dspark drafter runs 'dspark' modules, got {heads.kind!r}")
-        super()._setup(target, heads, vocab, sample)
+        super()._setup(target, heads, vocab, sample, draft_weights)

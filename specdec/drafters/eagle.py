@@ -38,7 +38,8 @@ import torch
 
 from ..checks import check_int, check_positive_int
 from ..draft import Draft, ScoredTree
-from ..heads import ChainedModule, DraftVocab, Eagle1Module, Eagle3Module, FrozenTargetParts, grow_cache, load_checkpoint
+from ..heads import (ChainedModule, DraftVocab, Eagle1Module, Eagle3Module, FrozenTargetParts, draft_linears, grow_cache,
+                     load_checkpoint)
 from ..heads.export import is_eagle3_export, load_eagle3_export
 from ..sampling import sample_from_probs, warp_logits_to_probs
 from .base import DraftContext, Drafter, register_drafter
@@ -158,7 +159,7 @@ class EagleDrafter(Drafter):
     module_type: type[ChainedModule] = ChainedModule
 
     def _setup(self, target, heads: ChainedModule, vocab: DraftVocab, gamma: int, sample: bool, tree: bool,
-               tree_nodes: int, tree_depth: int, tree_topk: int) -> None:
+               tree_nodes: int, tree_depth: int, tree_topk: int, draft_weights: str = "int8") -> None:
         if not isinstance(heads, self.module_type):
             raise ValueError(f"the {self.name} drafter runs {self.module_type.kind!r} modules, got {heads.kind!r}")
         for name, flag in (("sample", sample), ("tree", tree)):
@@ -169,6 +170,7 @@ class EagleDrafter(Drafter):
         self.tree_depth = check_positive_int("tree_depth", tree_depth)
         self.tree_topk = check_positive_int("tree_topk", tree_topk)
         self.target, self.heads, self.vocab, self.sample, self.tree = target, heads, vocab, sample, tree
+        self.linear_backend = draft_linears(heads, vocab, draft_weights)
         self.hidden_layers = tuple(heads.input_layers)
         self.makes_trees = tree
         self.default_budget = tree_nodes if tree else gamma
@@ -192,11 +194,12 @@ class EagleDrafter(Drafter):
     @classmethod
     def from_module(cls, target, heads: ChainedModule, gamma: int = 4, sample: bool = True, tree: bool = True,
                     tree_nodes: int = DEFAULT_TREE_NODES, tree_depth: int = DEFAULT_TREE_DEPTH,
-                    tree_topk: int = DEFAULT_TREE_TOPK) -> EagleDrafter:
+                    tree_topk: int = DEFAULT_TREE_TOPK, draft_weights: str = "int8") -> EagleDrafter:
         """A drafter around an in-memory module (e.g. right after training), without a checkpoint."""
         drafter = cls.__new__(cls)
         heads = heads.to(device=target.device, dtype=target.dtype).eval()
-        drafter._setup(target, heads, cls._vocab(target, heads, {}), gamma, sample, tree, tree_nodes, tree_depth, tree_topk)
+        drafter._setup(target, heads, cls._vocab(target, heads, {}), gamma, sample, tree, tree_nodes, tree_depth, tree_topk,
+                       draft_weights)
         return drafter
 
     def draft_cost_tokens(self) -> float:
@@ -232,6 +235,8 @@ class Eagle1Drafter(EagleDrafter):
     sample: at temperature > 0, sample drafts (chains and trees) with exact draft_probs instead of
         proposing the top-k / argmax deterministically.
     draft_vocab: propose only the checkpoint's N most frequent label tokens (0 = every token).
+    draft_weights: the drafter's own linears while drafting: int8 (default: weight-only int8 in the CPU
+        kernel, a quarter of fp32's bytes per draft forward) or fp32 (specdec.heads.draft_linears).
     """
 
     name = "eagle1"
@@ -239,10 +244,10 @@ class Eagle1Drafter(EagleDrafter):
 
     def __init__(self, target=None, checkpoint: str | None = None, tree: bool = True, tree_nodes: int = DEFAULT_TREE_NODES,
                  tree_depth: int = DEFAULT_TREE_DEPTH, tree_topk: int = DEFAULT_TREE_TOPK, gamma: int = 4, sample: bool = True,
-                 draft_vocab: int = 8192):
+                 draft_vocab: int = 8192, draft_weights: str = "int8"):
         heads, config = self._load(target, checkpoint)
         self._setup(target, heads, self._vocab(target, heads, config, draft_vocab), gamma, sample, tree, tree_nodes,
-                    tree_depth, tree_topk)
+                    tree_depth, tree_topk, draft_weights)
 
     @classmethod
     def _vocab(cls, target, heads, config: dict, draft_vocab: int = 0) -> DraftVocab:
@@ -255,19 +260,21 @@ class Eagle3Drafter(EagleDrafter):
 
     checkpoint: directory written by `specdec train eagle3`, or an EAGLE-3 directory in SGLang /
         vLLM layout for this target (`specdec export`, or a published drafter).
-    tree / tree_nodes / tree_depth / tree_topk / gamma / sample: as for `eagle1`.
+    tree / tree_nodes / tree_depth / tree_topk / gamma / sample / draft_weights: as for `eagle1`.
     """
 
     name = "eagle3"
     module_type = Eagle3Module
 
     def __init__(self, target=None, checkpoint: str | None = None, tree: bool = True, tree_nodes: int = DEFAULT_TREE_NODES,
-                 tree_depth: int = DEFAULT_TREE_DEPTH, tree_topk: int = DEFAULT_TREE_TOPK, gamma: int = 4, sample: bool = True):
+                 tree_depth: int = DEFAULT_TREE_DEPTH, tree_topk: int = DEFAULT_TREE_TOPK, gamma: int = 4, sample: bool = True,
+                 draft_weights: str = "int8"):
         if target is not None and checkpoint and is_eagle3_export(Path(checkpoint)):
             heads, config = load_eagle3_export(checkpoint, target), {}
         else:
             heads, config = self._load(target, checkpoint)
-        self._setup(target, heads, self._vocab(target, heads, config), gamma, sample, tree, tree_nodes, tree_depth, tree_topk)
+        self._setup(target, heads, self._vocab(target, heads, config), gamma, sample, tree, tree_nodes, tree_depth, tree_topk,
+                    draft_weights)
 
     @classmethod
     def _vocab(cls, target, heads, config: dict, draft_vocab: int = 0) -> DraftVocab:

@@ -27,7 +27,7 @@ import torch
 
 from ..checks import check_int
 from ..draft import Draft, TreeTemplate, tree_template_from_choices
-from ..heads import DraftVocab, FrozenTargetParts, MedusaHeads, load_checkpoint
+from ..heads import DraftVocab, FrozenTargetParts, MedusaHeads, draft_linears, load_checkpoint
 from .base import DraftContext, Drafter, register_drafter
 
 DEFAULT_TREE_NODES = 16
@@ -149,34 +149,40 @@ class MedusaDrafter(Drafter):
     tree_nodes: size of the default tree (the node budget per step unless the loop gives another).
     draft_vocab: propose only the checkpoint's N most frequent label tokens (computing just their
         LM-head rows); 0 = the full vocabulary. Lossless either way.
+    draft_weights: the drafter's own linears while drafting: int8 (default: weight-only int8 in the CPU
+        kernel, a quarter of fp32's bytes per draft forward) or fp32 (specdec.heads.draft_linears).
     """
 
     name = "medusa"
     makes_trees = True
 
     def __init__(self, target=None, checkpoint: str | None = None, choices: str | None = None, tree_nodes: int = DEFAULT_TREE_NODES,
-                 draft_vocab: int = DEFAULT_DRAFT_VOCAB):
+                 draft_vocab: int = DEFAULT_DRAFT_VOCAB, draft_weights: str = "int8"):
         if target is None:
             raise ValueError("the medusa drafter needs the target (its LM head and hidden states)")
         if not checkpoint:
             raise ValueError("the medusa drafter needs checkpoint=DIR: train heads with `specdec train medusa`")
         heads, config = load_checkpoint(checkpoint, target, drafter=self.name)
-        self._setup(target, heads, config, choices, tree_nodes, draft_vocab)
+        self._setup(target, heads, config, choices, tree_nodes, draft_vocab, draft_weights)
 
     @classmethod
     def from_heads(cls, target, heads: MedusaHeads, rank_acc=None, choices=None, tree_nodes: int = DEFAULT_TREE_NODES,
-                   draft_vocab_ids: list[int] | None = None, draft_vocab: int = DEFAULT_DRAFT_VOCAB) -> MedusaDrafter:
+                   draft_vocab_ids: list[int] | None = None, draft_vocab: int = DEFAULT_DRAFT_VOCAB,
+                   draft_weights: str = "int8") -> MedusaDrafter:
         """A drafter around in-memory heads (e.g. right after training), without a checkpoint."""
         drafter = cls.__new__(cls)
         config = {"eval": {"rank_acc": rank_acc}, "draft_vocab": {"ids": draft_vocab_ids}}
-        drafter._setup(target, heads.to(device=target.device, dtype=target.dtype).eval(), config, choices, tree_nodes, draft_vocab)
+        drafter._setup(target, heads.to(device=target.device, dtype=target.dtype).eval(), config, choices, tree_nodes, draft_vocab,
+                        draft_weights)
         return drafter
 
-    def _setup(self, target, heads: MedusaHeads, config: dict, choices, tree_nodes: int, draft_vocab: int) -> None:
+    def _setup(self, target, heads: MedusaHeads, config: dict, choices, tree_nodes: int, draft_vocab: int,
+               draft_weights: str) -> None:
         if not isinstance(heads, MedusaHeads):
             raise ValueError(f"the medusa drafter runs Medusa heads, got {type(heads).__name__}")
         self.target, self.heads = target, heads
         self.vocab = DraftVocab.from_config(FrozenTargetParts.from_target(target), config, draft_vocab)
+        self.linear_backend = draft_linears(heads, self.vocab, draft_weights)
         self.hidden_layers = (heads.input_layer,)
         self.tree = build_choice_tree(heads.num_positions, config.get("eval", {}).get("rank_acc"), choices, tree_nodes, self.vocab.rows)
         self.default_budget = len(self.tree)

@@ -29,7 +29,8 @@ import torch
 
 from ..checks import check_int
 from ..draft import Draft
-from ..heads import DraftVocab, FrozenTargetParts, MTPParallelHeads, MTPSequentialModule, grow_cache, load_checkpoint
+from ..heads import (DraftVocab, FrozenTargetParts, MTPParallelHeads, MTPSequentialModule, draft_linears, grow_cache,
+                     load_checkpoint)
 from .base import DraftContext, Drafter, register_drafter
 from .eagle import ChainRunner, Choose, chain_chooser, new_hidden_rows
 from .medusa import DEFAULT_DRAFT_VOCAB, DEFAULT_TREE_NODES, build_choice_tree, draft_from_candidates, heads_cost_tokens, top_candidates
@@ -78,32 +79,34 @@ class MTPDrafter(Drafter):
     tree / choices / tree_nodes: parallel heads only — a Medusa-style static top-k tree.
     draft_vocab: propose only the checkpoint's N most frequent label tokens (computing just their
         LM-head rows); 0 = the full vocabulary. Lossless either way.
+    draft_weights: the drafter's own linears while drafting: int8 (default: weight-only int8 in the CPU
+        kernel, a quarter of fp32's bytes per draft forward) or fp32 (specdec.heads.draft_linears).
     """
 
     name = "mtp"
 
     def __init__(self, target=None, checkpoint: str | None = None, gamma: int | None = None, sample: bool = True,
                  tree: bool = False, choices: str | None = None, tree_nodes: int = DEFAULT_TREE_NODES,
-                 draft_vocab: int = DEFAULT_DRAFT_VOCAB):
+                 draft_vocab: int = DEFAULT_DRAFT_VOCAB, draft_weights: str = "int8"):
         if target is None:
             raise ValueError("the mtp drafter needs the target (its LM head and hidden states)")
         if not checkpoint:
             raise ValueError("the mtp drafter needs checkpoint=DIR: train heads with `specdec train mtp`")
         heads, config = load_checkpoint(checkpoint, target, drafter=self.name)
-        self._setup(target, heads, config, gamma, sample, tree, choices, tree_nodes, draft_vocab)
+        self._setup(target, heads, config, gamma, sample, tree, choices, tree_nodes, draft_vocab, draft_weights)
 
     @classmethod
     def from_heads(cls, target, heads, rank_acc=None, gamma: int | None = None, sample: bool = True, tree: bool = False,
                    choices=None, tree_nodes: int = DEFAULT_TREE_NODES, draft_vocab_ids: list[int] | None = None,
-                   draft_vocab: int = DEFAULT_DRAFT_VOCAB) -> MTPDrafter:
+                   draft_vocab: int = DEFAULT_DRAFT_VOCAB, draft_weights: str = "int8") -> MTPDrafter:
         """A drafter around in-memory heads (e.g. right after training), without a checkpoint."""
         drafter = cls.__new__(cls)
         heads = heads.to(device=target.device, dtype=target.dtype).eval()
         config = {"eval": {"rank_acc": rank_acc}, "draft_vocab": {"ids": draft_vocab_ids}}
-        drafter._setup(target, heads, config, gamma, sample, tree, choices, tree_nodes, draft_vocab)
+        drafter._setup(target, heads, config, gamma, sample, tree, choices, tree_nodes, draft_vocab, draft_weights)
         return drafter
 
-    def _setup(self, target, heads, config, gamma, sample, tree, choices, tree_nodes, draft_vocab) -> None:
+    def _setup(self, target, heads, config, gamma, sample, tree, choices, tree_nodes, draft_vocab, draft_weights) -> None:
         if type(heads) not in _RUNNERS:
             raise ValueError(f"the mtp drafter runs {[c.kind for c in _RUNNERS]} heads, got {type(heads).__name__}")
         for name, flag in (("sample", sample), ("tree", tree)):
@@ -116,6 +119,7 @@ class MTPDrafter(Drafter):
         check_int(f"gamma for {heads.kind} heads", gamma, 1, limit)
         self.target, self.heads, self.sample = target, heads, sample
         self.vocab = DraftVocab.from_config(FrozenTargetParts.from_target(target), config, draft_vocab)
+        self.linear_backend = draft_linears(heads, self.vocab, draft_weights)
         self.hidden_layers = (heads.input_layer,)
         rank_acc = config.get("eval", {}).get("rank_acc")
         self.tree = build_choice_tree(heads.num_positions, rank_acc, choices, tree_nodes, self.vocab.rows) if tree else None

@@ -10,15 +10,15 @@ from .checkpoint import (
     target_fingerprint,
 )
 from .modules import (
-    HEAD_TYPES, LABEL_CONVENTION, ChainedModule, DraftHeads, DraftVocab, FrozenTargetParts, MedusaHeads, MTPParallelHeads,
-    MTPSequentialModule, build_heads, grow_cache,
+    DRAFT_WEIGHTS, HEAD_TYPES, LABEL_CONVENTION, ChainedModule, DraftHeads, DraftVocab, FrozenTargetParts, MedusaHeads,
+    MTPParallelHeads, MTPSequentialModule, build_heads, draft_linears, grow_cache,
 )
 from .eagle import DEFAULT_EAGLE3_VOCAB, Eagle1Module, Eagle3Module, eagle3_config, eagle3_layers
 from .dflash import DFlashModule, dflash_hidden_layers, dflash_target_layer_ids
 from .dspark import DSparkModule
 
 __all__ = [
-    "CONFIG_FILE", "ChainedModule", "DFlashModule", "DSparkModule", "dflash_hidden_layers", "dflash_target_layer_ids", "DEFAULT_EAGLE3_VOCAB", "HEAD_TYPES", "Eagle1Module", "Eagle3Module", "eagle3_config", "eagle3_layers", "LABEL_CONVENTION", "DraftHeads", "DraftVocab", "FrozenTargetParts", "MTPParallelHeads",
+    "CONFIG_FILE", "DRAFT_WEIGHTS", "draft_linears", "ChainedModule", "DFlashModule", "DSparkModule", "dflash_hidden_layers", "dflash_target_layer_ids", "DEFAULT_EAGLE3_VOCAB", "HEAD_TYPES", "Eagle1Module", "Eagle3Module", "eagle3_config", "eagle3_layers", "LABEL_CONVENTION", "DraftHeads", "DraftVocab", "FrozenTargetParts", "MTPParallelHeads",
     "MTPSequentialModule", "MedusaHeads", "build_heads", "check_target_matches", "grow_cache", "load_checkpoint",
     "read_checkpoint_config", "save_checkpoint", "target_description", "target_fingerprint",
 ]

@@ -29,7 +29,7 @@ The target's embeddings, final norm and LM head are used frozen and never saved 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -52,6 +52,7 @@ class FrozenTargetParts:
     lm_head_weight: torch.Tensor  # [V, H]
     final_norm_weight: torch.Tensor  # [H]
     norm_eps: float
+    linear_backend: object | None = None  # None: F.linear (training); else a specdec.kernels backend
 
     @classmethod
     def from_target(cls, target) -> FrozenTargetParts:
@@ -72,12 +73,12 @@ class FrozenTargetParts:
 
     def with_lm_rows(self, token_ids: torch.Tensor) -> FrozenTargetParts:
         """The same parts with an LM head over `token_ids` only (logits [..., len(token_ids)])."""
-        return FrozenTargetParts(self.embed_weight, self.lm_head_weight.index_select(0, token_ids), self.final_norm_weight,
-                                 self.norm_eps)
+        return replace(self, lm_head_weight=self.lm_head_weight.index_select(0, token_ids))
 
     def to(self, device=None, dtype=None) -> FrozenTargetParts:
         move = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
-        return FrozenTargetParts(move(self.embed_weight), move(self.lm_head_weight), move(self.final_norm_weight), self.norm_eps)
+        return replace(self, embed_weight=move(self.embed_weight), lm_head_weight=move(self.lm_head_weight),
+                       final_norm_weight=move(self.final_norm_weight))
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.embed_weight)  # [..., H]
@@ -86,7 +87,13 @@ class FrozenTargetParts:
         return rms_norm(x, self.final_norm_weight, self.norm_eps)
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        if self.linear_backend is not None:  # drafting (see draft_linears): the kernel, maybe int8
+            return self.linear_backend.linear(x, self.lm_head_weight, None)  # [..., V]
         return F.linear(x, self.lm_head_weight)  # [..., V]
+
+    def with_linear_backend(self, backend) -> FrozenTargetParts:
+        """The same parts with the LM head run by a linear backend (specdec.kernels)."""
+        return replace(self, linear_backend=backend)
 
 
 def dense_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -143,6 +150,35 @@ class DraftVocab:
         if self.ids is None:
             return probs
         return torch.zeros(self.vocab_size, dtype=probs.dtype, device=probs.device).index_copy_(0, self.ids.to(probs.device), probs)
+
+
+DRAFT_WEIGHTS = {"int8": "int8", "fp32": "auto"}  # drafter option -> specdec.kernels linear backend
+
+
+def draft_linears(heads: nn.Module, vocab: DraftVocab, draft_weights: str) -> str:
+    """Run a drafter's linears — the module's own and its draft-vocabulary LM-head rows — through
+    the CPU kernel while drafting; returns the backend's name.
+
+    A draft forward reads one or more decoder layers (and LM rows) for a handful of rows, so like a
+    decode step it is bound by the weight bytes: "int8" (weight-only, a scale per row; default)
+    reads a quarter of fp32's, "fp32" runs the fp32 kernel. Drafts are proposals that the target
+    verifies, so either keeps the output exact; int8 may change which tokens are proposed (the
+    trainer's held-out numbers are fp32). Autograd and non-fp32 inputs still go through F.linear,
+    so a module being trained is unaffected. $SPECDEC_LINEAR=torch, or no C++ compiler, keeps torch.
+    """
+    from ..kernels import KernelUnavailable, fast_linear_modules, make_backend
+
+    if draft_weights not in DRAFT_WEIGHTS:
+        raise ValueError(f"draft_weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {draft_weights!r}")
+    backend = DRAFT_WEIGHTS[draft_weights]
+    if make_backend("auto").backend.name == "torch":  # forced by the environment, or no kernel here
+        backend = "torch"
+    try:
+        info = fast_linear_modules(heads, backend=backend)
+    except KernelUnavailable:
+        info = fast_linear_modules(heads, backend="torch")
+    vocab.parts = vocab.parts.with_linear_backend(make_backend(info["backend"]).backend)
+    return info["backend"]
 
 
 class KeysOfThisPass:
