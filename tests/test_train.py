@@ -742,3 +742,12 @@ def test_heads_trained_on_corpus_text_only_agree_with_the_target_on_its_own_answ
     on_corpus = evaluate(heads, corpus_samples, parts, settings, torch.device("cpu"))
     assert on_corpus["top1_greedy_path"][0] > AGREEMENT_LIMIT, on_corpus
     assert on_corpus["top1_greedy_path"][0] > on_corpus["top1"][0] + 0.05, on_corpus
+
+
+def test_train_dtype_auto_is_bf16_on_cuda_and_on_cpus_with_native_bf16():
+    from specdec.kernels.skinny_gemm import cpu_flags
+    from specdec.train.cli import default_train_dtype
+
+    native = bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+    assert default_train_dtype("cpu") == ("bf16" if native else "fp32")
+    assert default_train_dtype("cuda:0") == "bf16"

@@ -124,7 +124,8 @@ def _add_common_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--all-rows", action="store_true",
                         help="also learn on rows whose context leaves the target's greedy path (sampled answers, "
                              "corpus text); by default those are skipped")
-    parser.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                        help="auto: bf16 autocast on CUDA and on CPUs with native bf16 (AMX / AVX-512 BF16), else fp32")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--save-every", type=int, default=200)
@@ -308,8 +309,23 @@ def _resolve_device_and_dtype(args) -> tuple[str, str]:
     import torch
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    dtype = ("bf16" if device.startswith("cuda") else "fp32") if args.dtype == "auto" else args.dtype
+    dtype = default_train_dtype(device) if args.dtype == "auto" else args.dtype
     return device, dtype
+
+
+# CPUs whose matrix units multiply bf16 natively (AMX tiles, AVX-512 BF16): there bf16 autocast
+# halves a training step (EAGLE-3 on the 0.5B: 28 vs 14 steps in 1.5 min, 1 thread); elsewhere
+# torch emulates bf16 matmuls and fp32 is faster
+NATIVE_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def default_train_dtype(device: str) -> str:
+    """--dtype auto: bf16 autocast (fp32 master weights) on CUDA and on CPUs with native bf16, else fp32."""
+    from ..kernels.skinny_gemm import cpu_flags
+
+    if device.startswith("cuda"):
+        return "bf16"
+    return "bf16" if device == "cpu" and any(flag in cpu_flags() for flag in NATIVE_BF16_CPU_FLAGS) else "fp32"
 
 
 def run_heads_training(args) -> int:
