@@ -125,6 +125,17 @@ class SpecBatch:
             if seq_drafter is not None:
                 seq_drafter.begin(list(prompt), self.target)
             new.append(RunningSequence(ctx, seq_drafter, SpecStats(), limit, tuple(s for s in _as_stop_tuple(stops) if s)))
+        # the LM head only for each prompt's last row, unless a drafter wants every row's logits
+        last_only = getattr(self.target, "selects_logits", False) and not getattr(self.drafter, "wants_node_logits", False)
+        for start, end in _prefill_groups([len(p) for p in prompts], 1 if last_only else self.target.vocab_size):
+            self._prefill(first_row + start, prompts[start:end], new[start:end], last_only)
+        self.seqs.extend(new)
+        self._drop_finished()
+        return new
+
+    def _prefill(self, first_row: int, prompts: Sequence[list[int]], new: list[RunningSequence], last_only: bool) -> None:
+        """One ragged, right-padded forward over `prompts` (cache rows from first_row), then each
+        sequence's first token."""
         rows = self.cache.rows(first_row, first_row + len(new))
         rows.truncate(0)
         with _timers(new, "verify"):
@@ -133,8 +144,6 @@ class SpecBatch:
             tokens = torch.tensor([list(p) + [p[-1]] * (width - len(p)) for p in prompts])  # [b, T]
             positions = torch.arange(width).expand(len(new), -1)  # [b, T]
             extra = _skip_padding(self.target, lengths, width)
-            # the LM head only for each prompt's last row, unless a drafter wants every row's logits
-            last_only = getattr(self.target, "selects_logits", False) and not getattr(self.drafter, "wants_node_logits", False)
             if last_only:
                 extra["logits_at"] = lengths - 1
             logits, hiddens = self.target.forward(tokens, positions, rows, hidden_layers=self.hidden_layers, **extra)
@@ -150,9 +159,6 @@ class SpecBatch:
             seq.last_committed = _commit(seq, [first], self.target, self.eos_ids)
             if seq.drafter is not None:
                 seq.drafter.on_verified(VerifyResult([first], 0, []), seq.ctx)
-        self.seqs.extend(new)
-        self._drop_finished()
-        return new
 
     def step(self) -> list[RunningSequence]:
         """One draft -> verify -> commit step over every running sequence.
@@ -229,6 +235,26 @@ def _skip_padding(target, real_lengths: torch.Tensor, width: int) -> dict:
     if not getattr(target, "skips_padding", False) or len(real_lengths) < 2:
         return {}
     return {"token_valid": torch.arange(width)[None, :] < real_lengths[:, None]}  # [B, T]
+
+
+PREFILL_LOGITS_BYTES = 1 << 30  # fp32 logits one prefill forward may return (every row's: a drafter wants them)
+
+
+def _prefill_groups(lengths: Sequence[int], logits_per_row: int) -> list[tuple[int, int]]:
+    """Consecutive [start, end) groups of prompts to prefill in one forward each: as many as fit
+    PREFILL_LOGITS_BYTES of [group, longest, logits_per_row] fp32 logits (at least one prompt).
+    Every row of the batch-invariant forward is the same whichever group it is in; the bound
+    matters when a drafter wants every prompt row's logits (32 prompts of 800 tokens x 151,936
+    would be 15.6 GB)."""
+    groups, start, longest = [], 0, 0
+    for index, length in enumerate(lengths):
+        wider = max(longest, length)
+        if index > start and (index + 1 - start) * wider * logits_per_row * 4 > PREFILL_LOGITS_BYTES:
+            groups.append((start, index))
+            start, wider = index, length
+        longest = wider
+    groups.append((start, len(lengths)))
+    return groups
 
 
 def _as_stop_tuple(stops) -> tuple[str, ...]:

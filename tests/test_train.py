@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from scipy.stats import chisquare
 
 from specdec import SamplingParams, generate
+from specdec import loop
 from specdec.drafters.base import DraftContext
 from specdec.drafters.medusa import MedusaDrafter, best_first_choices
 from specdec.drafters.mtp import MTPDrafter
@@ -184,11 +185,15 @@ def test_hidden_states_in_data_match_the_target(counter, counter_data):
     assert answer[:-1] == sample.tokens[sample.num_prompt_tokens :].tolist() and int(sample.target_next[-1]) == answer[-1]
 
 
-def test_data_rows_come_from_the_decoding_forwards_bitwise(counter, tmp_path):
+@pytest.mark.parametrize("prefill_logits_bytes", [None, 1])
+def test_data_rows_come_from_the_decoding_forwards_bitwise(counter, tmp_path, monkeypatch, prefill_logits_bytes):
     """No second pass: the stored hidden rows and labels are those of the forwards that decoded the
     answers, bitwise equal to one forward over prompt + answer (rows are batch invariant), for
-    greedy and sampled answers decoded together in one ragged batch."""
+    greedy and sampled answers decoded together in one ragged batch — also when the memory bound
+    on the prefill's every-row logits splits the prompts into one prefill forward each."""
     skip_without_kernel()
+    if prefill_logits_bytes is not None:
+        monkeypatch.setattr(loop, "PREFILL_LOGITS_BYTES", prefill_logits_bytes)
     layers = [1, counter.num_layers]
     settings = DataSettings(num_prompts=6, max_new_tokens=14, shard_size=6, sampled_fraction=0.5, seed=3, layers=layers)
     prompts = text_prompts(6, seed=2)
@@ -211,6 +216,22 @@ def test_data_rows_come_from_the_decoding_forwards_bitwise(counter, tmp_path):
         if decoding.greedy:  # a greedy answer is its own label row by row
             assert sample.target_next[len(prompt_ids) - 1 :].tolist() == full[len(prompt_ids) :]
     assert kinds == {True, False}
+
+
+def test_prefill_groups_bound_the_every_row_logits():
+    """32 prompts of 800 tokens with every row's logits over a 151,936-token vocabulary would be
+    15.6 GB in one forward: the groups keep each forward's logits under the bound, cover every
+    prompt once and in order, and never leave a prompt out even when it alone is over."""
+    vocab = 151936
+    lengths = [800] * 20 + [30, 3000, 40] + [800] * 9
+    groups = loop._prefill_groups(lengths, vocab)
+    assert [i for start, end in groups for i in range(start, end)] == list(range(len(lengths)))
+    for start, end in groups:
+        size = (end - start) * max(lengths[start:end]) * vocab * 4
+        assert size <= loop.PREFILL_LOGITS_BYTES or end - start == 1, (start, end, size)
+    assert (21, 22) in groups  # the 3000-token prompt is over the bound alone
+    assert len(groups) < len(lengths)  # and the others share forwards
+    assert loop._prefill_groups(lengths, 1) == [(0, len(lengths))]  # last-row logits only: one forward
 
 
 # ---------------------------------------------------------------------------- training
