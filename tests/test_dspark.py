@@ -22,7 +22,7 @@ from specdec.drafters.dspark import DSparkDrafter
 from specdec.heads import FrozenTargetParts, target_description
 from specdec.heads.dspark import (
     SequentialParts, analytic_acceptance, dspark_loss, expected_calibration_error, fit_sequential_temperatures,
-    position_weights, survival_ece,
+    position_weights, survival_ece, target_on_vocabulary,
 )
 from specdec.heads.export import export_dspark, load_dspark_export
 from specdec.kernels import FastLinear, make_backend
@@ -116,6 +116,59 @@ def test_loss_ignores_invalid_positions():
     garbage[0, 2], garbage[1, 1:] = 50 * torch.randn(V), 50 * torch.randn(2, V)
     assert dspark_loss(garbage, target, labels, confidence, valid).total.item() == pytest.approx(base.total.item(), rel=1e-6)
     assert position_weights(3, 4.0).tolist() == pytest.approx([1.0, math.exp(-0.25), math.exp(-0.5)])
+
+
+def test_draft_vocabulary_loss_equals_the_full_vocabulary_loss_and_its_gradients():
+    """Training's loss over the draft vocabulary V' (q = 0 outside it, the target's mass there a
+    constant) equals the full-vocabulary loss with the draft logits -inf outside V', value and
+    gradients (of the draft logits over V' and of the confidence logits)."""
+    torch.manual_seed(3)
+    n, k = 3, 4
+    ids = torch.tensor([9, 0, 4, 7, 2, 5])  # V' = 6 of V = 11, in ranking order (not sorted)
+    target_logits = 2 * torch.randn(n, k, V)
+    labels = ids[torch.randint(0, ids.numel(), (n, k))]  # token ids inside V'
+    labels[0, 1] = -100
+    valid = torch.ones(n, k, dtype=torch.bool)
+    valid[2, 2:] = False
+    losses, grads = [], []
+    for restricted in (True, False):
+        draft = (2 * torch.randn(n, k, ids.numel(), generator=torch.Generator().manual_seed(1))).requires_grad_()
+        confidence = torch.randn(n, k, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        if restricted:
+            index = torch.full((V,), -100).index_copy_(0, ids, torch.arange(ids.numel()))
+            loss = dspark_loss(draft, target_logits, torch.where(labels >= 0, index[labels.clamp(min=0)], labels),
+                               confidence, valid, ids=ids)
+        else:  # the full-vocabulary loss: q = softmax over every id with -inf outside V'
+            full = torch.full((n, k, V), -math.inf).index_copy(-1, ids, draft)
+            loss = dspark_loss(full, target_logits, labels, confidence, valid)
+        loss.total.backward()
+        losses.append(loss)
+        grads.append((draft.grad, confidence.grad))
+    cheap, reference = losses
+    for name in ("total", "ce", "tv", "bce", "acceptance"):
+        assert_close_to_scale(getattr(cheap, name).detach(), getattr(reference, name).detach(), rel=1e-5, what=name)
+    assert_close_to_scale(grads[0][0], grads[1][0], rel=1e-5, what="d loss / d draft logits")
+    assert_close_to_scale(grads[0][1], grads[1][1], rel=1e-5, what="d loss / d confidence logits")
+    assert float(grads[0][0].abs().max()) > 0 and float(cheap.tv) > 0.1  # a case with something to compare
+
+
+def test_total_variation_counts_the_target_mass_outside_the_draft_vocabulary():
+    # q = (0.5, 0.5) on ids {0, 1}; p = (0.25, 0.25, 0.3, 0.2): TV = 0.5 (0.25 + 0.25 + 0.3 + 0.2) = 0.5,
+    # acceptance sum min(p, q) = 0.5. Dropping the mass outside would give TV 0.25.
+    ids = torch.tensor([0, 1])
+    p_full = torch.tensor([0.25, 0.25, 0.3, 0.2])
+    target_logits = p_full.log()[None, None]  # [1, 1, 4]
+    p, outside = target_on_vocabulary(target_logits, ids)
+    torch.testing.assert_close(p[0, 0], p_full[:2])
+    assert float(outside) == pytest.approx(0.5, rel=1e-6)
+    draft_logits = torch.zeros(1, 1, 2)  # q = (0.5, 0.5)
+    loss = dspark_loss(draft_logits, target_logits, torch.tensor([[0]]), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool),
+                       ids=ids)
+    assert loss.tv.item() == pytest.approx(0.5, rel=1e-6)
+    assert loss.acceptance.item() == pytest.approx(0.5, rel=1e-6)
+    q_full = torch.tensor([0.5, 0.5, 0.0, 0.0])
+    assert analytic_acceptance(torch.tensor([0.5, 0.5]), p[0, 0], outside[0, 0]).item() == pytest.approx(
+        torch.minimum(q_full, p_full).sum().item(), rel=1e-6)
 
 
 def test_ece_of_known_bins():
@@ -222,6 +275,26 @@ def test_drafted_q_is_the_trained_computation(smollm2, draft_weights):
         assert_close_to_scale(draft.draft_probs, torch.softmax(logits[0].float(), -1), rel=rel, what=f"{head}: q")
         assert_close_to_scale(draft.confidences, module.sequential.calibrated(confidence)[0], rel=rel,
                               what=f"{head}: confidences")
+
+
+@torch.no_grad()
+def test_block_logits_on_the_draft_vocabulary_are_the_full_ones_at_its_ids(smollm2):
+    """fit_vocabulary restricts training's q to the ranked label ids: the logits (backbone + Markov
+    bias) are the full-vocabulary ones read at those ids, and argmax indices map back to token ids."""
+    module = _perturbed(build_heads("dspark", smollm2, 4, block_size=4, markov_rank=8), scale=0.02)
+    torch.nn.init.normal_(module.sequential.markov_head.markov_w2.weight, std=0.5)
+    parts = FrozenTargetParts.from_target(smollm2).to(dtype=torch.float32)
+    hidden = torch.randn(2, 4, smollm2.config.hidden_size).transpose(0, 1)  # a strided [N, K, H] view, as in training
+    blocks = {"hidden": hidden, "previous": torch.randint(0, smollm2.config.vocab_size, (4, 2)).t().contiguous().t()}
+    full, full_confidence = module.block_logits(blocks, parts)  # [N, K, V]
+    ranked = torch.randperm(smollm2.config.vocab_size, generator=torch.Generator().manual_seed(0))[:300].tolist()
+    module.fit_vocabulary(ranked, smollm2)
+    assert module.draft_ids.tolist() == ranked
+    restricted, confidence = module.block_logits(blocks, parts)  # [N, K, 300]
+    assert_close_to_scale(restricted, full[..., module.draft_ids], what="logits over the draft vocabulary")
+    torch.testing.assert_close(confidence, full_confidence)
+    assert module.to_target_ids(torch.tensor([0, 299])).tolist() == [ranked[0], ranked[299]]
+    assert module.to_draft_indices(torch.tensor([ranked[5], next(i for i in range(10**6) if i not in set(ranked))])).tolist() == [5, -100]
 
 
 def test_greedy_on_smollm2_through_the_loop_equals_plain(smollm2):

@@ -42,6 +42,9 @@ from .modules import register_head_type
 LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "bce": 1.0}
 ECE_BINS = 10
 DEFAULT_MARKOV_RANK = 64
+# training's draft vocabulary: the most frequent label tokens, as many as the dspark drafter's
+# default `draft_vocab` proposes from, so the q that is trained is the q that drafts
+TRAIN_DRAFT_VOCAB = 8192
 
 
 # ----------------------------------------------------------------------------- sequential heads
@@ -66,18 +69,30 @@ class MarkovHead(nn.Module):
     def previous_embedding(self, previous_tokens: torch.Tensor) -> torch.Tensor:
         return self.markov_w1(previous_tokens)  # [..., r]
 
-    def step(self, state, previous_tokens: torch.Tensor, hidden: torch.Tensor):
-        """(next state, bias [..., V]) for one position; previous_tokens [...], hidden [..., H]."""
-        return state, self.markov_w2(self.previous_embedding(previous_tokens))
+    def step_input(self, state, previous_tokens: torch.Tensor, hidden: torch.Tensor):
+        """(next state, the [..., r] vector W2 reads) for one position; previous_tokens [...], hidden [..., H]."""
+        return state, self.previous_embedding(previous_tokens)
 
-    def block_bias(self, previous_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced biases of a whole block: previous_tokens [N, K], hidden [N, K, H] -> [N, K, V]."""
+    def bias(self, inputs: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """W2 inputs: [..., r] -> [..., V'] over the token ids `ids` [V'] (None = every id; only those
+        rows of W2 are multiplied, and only they get a gradient)."""
+        weight = self.markov_w2.weight if ids is None else self.markov_w2.weight[ids]  # [V', r]
+        return F.linear(inputs, weight)
+
+    def step(self, state, previous_tokens: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor | None = None):
+        """(next state, bias [..., V']) for one position; previous_tokens [...], hidden [..., H]."""
+        state, inputs = self.step_input(state, previous_tokens, hidden)
+        return state, self.bias(inputs, ids)
+
+    def block_bias(self, previous_tokens: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Teacher-forced biases of a whole block: previous_tokens [N, K], hidden [N, K, H] -> [N, K, V']
+        (the recurrence runs over the [r]-sized inputs, W2 once over the whole block)."""
         state = self.initial_state(previous_tokens.shape[0], hidden)
-        biases = []
+        inputs = []
         for k in range(previous_tokens.shape[1]):
-            state, bias = self.step(state, previous_tokens[:, k], hidden[:, k])
-            biases.append(bias)
-        return torch.stack(biases, dim=1)
+            state, step_inputs = self.step_input(state, previous_tokens[:, k], hidden[:, k])
+            inputs.append(step_inputs)
+        return self.bias(torch.stack(inputs, dim=1), ids)
 
 
 class RNNHead(MarkovHead):
@@ -93,12 +108,12 @@ class RNNHead(MarkovHead):
     def initial_state(self, rows: int, like: torch.Tensor) -> torch.Tensor:
         return like.new_zeros(rows, self.rank)  # [N, r]
 
-    def step(self, state, previous_tokens, hidden):
+    def step_input(self, state, previous_tokens, hidden):
         joint = self.joint_proj(torch.cat([state, self.previous_embedding(previous_tokens), hidden], dim=-1))
         gate, candidate, output = joint.chunk(3, dim=-1)  # [..., r] each
         gate = torch.sigmoid(gate)
         state = gate * state + (1 - gate) * torch.tanh(candidate)
-        return state, self.markov_w2(torch.tanh(output))
+        return state, torch.tanh(output)
 
 
 SEQUENTIAL_HEADS = {cls.kind: cls for cls in (MarkovHead, RNNHead)}
@@ -134,10 +149,12 @@ class SequentialParts(nn.Module):
     def head_kind(self) -> str:
         return self.markov_head.kind
 
-    def block(self, base_logits: torch.Tensor, hidden: torch.Tensor, previous_tokens: torch.Tensor):
-        """Teacher-forced: base_logits [N, K, V], hidden [N, K, H], previous_tokens [N, K] (the anchor,
-        then the labels of positions 0..K-2) -> (logits [N, K, V], raw confidence logits [N, K])."""
-        logits = base_logits + self.markov_head.block_bias(previous_tokens, hidden).to(base_logits.dtype)
+    def block(self, base_logits: torch.Tensor, hidden: torch.Tensor, previous_tokens: torch.Tensor,
+              ids: torch.Tensor | None = None):
+        """Teacher-forced: base_logits [N, K, V'] over token ids `ids` [V'] (None = every id), hidden
+        [N, K, H], previous_tokens [N, K] (the anchor, then the labels of positions 0..K-2) -> (logits
+        [N, K, V'], raw confidence logits [N, K])."""
+        logits = base_logits + self.markov_head.block_bias(previous_tokens, hidden, ids).to(base_logits.dtype)
         confidence = self.confidence_head(hidden, self.markov_head.previous_embedding(previous_tokens))
         return logits, confidence
 
@@ -155,10 +172,9 @@ class SequentialParts(nn.Module):
         state = self.markov_head.initial_state(1, hidden)
         tokens, rows, confidence_logits = [], [], []
         for k in range(base_logits.shape[0]):
-            state, bias = self.markov_head.step(state, previous, hidden[k : k + 1])  # bias [1, V]
+            state, bias = self.markov_head.step(state, previous, hidden[k : k + 1], ids)  # bias [1, V']
             confidence_logits.append(self.confidence_head(hidden[k : k + 1], self.markov_head.previous_embedding(previous)))
-            bias = bias[0] if ids is None else bias[0, ids]  # [V']
-            token, q = choose(base_logits[k].float() + bias.float())
+            token, q = choose(base_logits[k].float() + bias[0].float())
             tokens.append(token)
             rows.append(q)
             previous = torch.tensor([token], device=hidden.device)
@@ -175,9 +191,33 @@ def position_weights(block_size: int, decay: float | None, device=None) -> torch
     return torch.exp(-positions / decay)
 
 
-def analytic_acceptance(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """E[accept] of a token sampled from q against p: 1 - 0.5 ||q - p||_1 = sum min(p, q); [..., V] -> [...]."""
-    return (1 - 0.5 * (draft_probs - target_probs).abs().sum(-1)).clamp(0.0, 1.0)
+def target_on_vocabulary(target_logits: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's distribution read on a draft vocabulary: (p over `ids` [..., V'], the target's mass
+    outside them [...]); target_logits [..., V] over the whole vocabulary, ids [V'] (None = every id:
+    mass outside 0). No gradient: both are constants of the draft's parameters."""
+    with torch.no_grad():
+        target_logits = target_logits.float()
+        log_normaliser = torch.logsumexp(target_logits, dim=-1, keepdim=True)  # [..., 1] over all V
+        if ids is None:
+            return (target_logits - log_normaliser).exp(), target_logits.new_zeros(target_logits.shape[:-1])
+        probs = (target_logits[..., ids] - log_normaliser).exp()  # [..., V']
+        return probs, (1 - probs.sum(-1)).clamp(min=0.0)
+
+
+def analytic_acceptance(draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                        target_outside: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """E[accept] of a token sampled from q against p: 1 - 0.5 ||q - p||_1 = sum min(p, q); [..., V'] -> [...].
+
+    q lives on the draft vocabulary (the V' ids the drafter can propose, q = 0 elsewhere), so the
+    L1 distance is sum over V' |q - p| + the target's mass outside V' (`target_outside` [...])."""
+    return (1 - total_variation(draft_probs, target_probs, target_outside)).clamp(0.0, 1.0)
+
+
+def total_variation(draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                    target_outside: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """0.5 ||q - p||_1 with q [..., V'] on the draft vocabulary, p [..., V'] the target's probabilities
+    there and `target_outside` [...] its mass elsewhere (where q = 0: |0 - p| = p)."""
+    return 0.5 * ((draft_probs - target_probs).abs().sum(-1) + target_outside)
 
 
 @dataclass
@@ -191,21 +231,24 @@ class DSparkLoss:
 
 def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor,
                 confidence_logits: torch.Tensor, valid: torch.Tensor, decay: float | None = 4.0,
-                weights: dict[str, float] | None = None) -> DSparkLoss:
+                weights: dict[str, float] | None = None, ids: torch.Tensor | None = None) -> DSparkLoss:
     """0.1 CE(label) + 0.9 TV(q, p) + 1.0 BCE(c, 1 - TV), each a position-weighted mean over the valid rows.
 
-    draft_logits / target_logits [N, K, V]; labels [N, K] (-100 = none); confidence_logits [N, K];
-    valid [N, K] bool (a position counts only while every earlier one of its block does).
+    draft_logits [N, K, V'] over the draft vocabulary `ids` [V'] (None = every id, V' = V): q is
+    their softmax and 0 outside; target_logits [N, K, V] over the whole vocabulary (the TV counts the
+    target's mass outside V'); labels [N, K] as indices into V' (-100 = none, or not in V');
+    confidence_logits [N, K]; valid [N, K] bool (a position counts only while every earlier one of
+    its block does). The result equals the same loss over the whole vocabulary with the draft
+    logits -inf outside V' (tests/test_dspark.py), at [N, K, V'] instead of [N, K, V] of draft work.
     """
     weights = {**LOSS_WEIGHTS, **(weights or {})}
     mask = valid.float() * position_weights(draft_logits.shape[1], decay, draft_logits.device)  # [N, K]
     denominator = mask.sum().clamp(min=1e-6)
     ce = F.cross_entropy(draft_logits.float().flatten(0, 1), labels.flatten().clamp(min=0), reduction="none")
     ce = ce.view_as(mask) * (labels >= 0)
-    q = F.softmax(draft_logits.float(), dim=-1)
-    with torch.no_grad():
-        p = F.softmax(target_logits.float(), dim=-1)
-    tv = 0.5 * (q - p).abs().sum(-1)  # [N, K]
+    q = F.softmax(draft_logits.float(), dim=-1)  # [N, K, V']
+    p, outside = target_on_vocabulary(target_logits, ids)  # [N, K, V'], [N, K]
+    tv = total_variation(q, p, outside)  # [N, K]
     acceptance = (1 - tv).detach().clamp(0.0, 1.0)
     bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), acceptance, reduction="none")
     terms = {name: (value * mask).sum() / denominator for name, value in (("ce", ce), ("tv", tv), ("bce", bce))}
@@ -280,6 +323,11 @@ class DSparkModule(DFlashModule):
         super().__init__(target_config, block_size, num_draft_layers, mask_token_id, intermediate_size, input_layers)
         self.sequential = SequentialParts(target_config.vocab_size, target_config.hidden_size, self.block_size,
                                           markov_rank, sequential_head)
+        # [V'] the token ids q lives on in training and held-out evaluation (fit_vocabulary; None =
+        # every id). Not stored in the weights: the checkpoint's "draft_vocab" ranking is where
+        # drafting reads its vocabulary from.
+        self.register_buffer("draft_ids", None, persistent=False)
+        self._draft_index = None  # [V] long: token id -> index into draft_ids (-100 outside)
 
     @classmethod
     def from_config(cls, config: dict, target_config) -> DSparkModule:
@@ -296,6 +344,33 @@ class DSparkModule(DFlashModule):
         return {**super().head_config(), "markov_rank": self.sequential.markov_head.rank,
                 "sequential_head": self.sequential.head_kind}
 
+    # ---- the draft vocabulary (training and held-out evaluation)
+    def fit_vocabulary(self, ranked_ids: list[int], target) -> None:
+        """q lives on the TRAIN_DRAFT_VOCAB most frequent label tokens (drafting proposes from the same
+        ranking), so the TV, the CE and the acceptance are those of the distribution that drafts."""
+        vocab_size = self.sequential.markov_head.markov_w1.num_embeddings
+        ids = ranked_ids[:TRAIN_DRAFT_VOCAB]
+        self.draft_ids = None if not ids or len(ids) >= vocab_size else torch.tensor(ids, dtype=torch.long,
+                                                                                      device=self.fc.weight.device)
+        self._draft_index = None
+
+    def draft_index(self) -> torch.Tensor:
+        """[V] long: token id -> index into draft_ids, -100 where it has none."""
+        if self._draft_index is None or self._draft_index.device != self.draft_ids.device:
+            vocab_size = self.sequential.markov_head.markov_w1.num_embeddings
+            index = torch.full((vocab_size,), -100, dtype=torch.long, device=self.draft_ids.device)
+            self._draft_index = index.index_copy_(0, self.draft_ids, torch.arange(self.draft_ids.numel(), device=index.device))
+        return self._draft_index
+
+    def to_target_ids(self, indices: torch.Tensor) -> torch.Tensor:
+        return indices if self.draft_ids is None else self.draft_ids[indices]
+
+    def to_draft_indices(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return token_ids if self.draft_ids is None else self.draft_index()[token_ids]
+
+    def in_vocabulary(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.to_draft_indices(token_ids) >= 0
+
     # ---- training and held-out evaluation on teacher-forced blocks
     def anchor_blocks(self, batch, features: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor) -> dict:
         """The blocks at anchors [N, 2] (b, t) of a batch: hidden [N, K, H] (features [K, B, T, H]),
@@ -311,8 +386,14 @@ class DSparkModule(DFlashModule):
                 "labels": batch.target_next[rows, index], "valid": valid[:, b, t].t().long().cumprod(-1).bool(), "top": top}
 
     def block_logits(self, blocks: dict, parts) -> tuple[torch.Tensor, torch.Tensor]:
-        """(exact draft logits [N, K, V] with the sequential bias, confidence logits [N, K]) of teacher-forced blocks."""
-        return self.sequential.block(parts.lm_head(blocks["hidden"]), blocks["hidden"], blocks["previous"])
+        """(exact draft logits [N, K, V'] over draft_ids with the sequential bias, confidence logits
+        [N, K]) of teacher-forced blocks; `parts` has the target's whole LM head."""
+        hidden = blocks["hidden"]  # [N, K, H]
+        vocab_parts = parts if self.draft_ids is None else parts.with_lm_rows(self.draft_ids)
+        # rows flattened to one contiguous [N * K, H]: an LM head over a strided 3-d view runs as a
+        # batched matmul with the [V', H] weight expanded per block (5x slower on CPU, both ways)
+        base = vocab_parts.lm_head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:2], -1)
+        return self.sequential.block(base, hidden, blocks["previous"], self.draft_ids)
 
     def valid_blocks(self, batch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(valid [K, B, T] from label rows [N, 3], anchors [A, 2] (b, t): the positions whose first label is valid)."""
@@ -325,7 +406,7 @@ class DSparkModule(DFlashModule):
         (teacher-forced with the batch's tokens), then the row's position is read."""
         anchors, which = torch.unique(rows[:, 1:], dim=0, return_inverse=True)  # [A, 2] (b, t), [N]
         everything = torch.ones(self.num_positions, *batch.tokens.shape, dtype=torch.bool, device=rows.device)
-        logits, _ = self.block_logits(self.anchor_blocks(batch, features, anchors, everything), parts)  # [A, K, V]
+        logits, _ = self.block_logits(self.anchor_blocks(batch, features, anchors, everything), parts)  # [A, K, V']
         return logits[which, rows[:, 0]]
 
     def training_loss(self, batch, features, rows, parts, settings, generator):
@@ -337,6 +418,9 @@ class DSparkModule(DFlashModule):
         blocks = self.anchor_blocks(batch, features, anchors, valid)
         logits, confidence = self.block_logits(blocks, parts)
         decay = -1.0 / math.log(settings.head_decay) if 0 < settings.head_decay < 1 else None
-        loss = dspark_loss(logits, parts.lm_head(blocks["top"]), blocks["labels"], confidence, blocks["valid"], decay)
-        hits = (logits.argmax(-1) == blocks["labels"]) & blocks["valid"]  # [N, K]
+        top = blocks["top"]  # [N, K, H]: the target's own state, its logits over the whole vocabulary
+        target_logits = parts.lm_head(top.reshape(-1, top.shape[-1])).view(*top.shape[:2], -1)
+        loss = dspark_loss(logits, target_logits, self.to_draft_indices(blocks["labels"]), confidence, blocks["valid"],
+                           decay, ids=self.draft_ids)
+        hits = (self.to_target_ids(logits.argmax(-1)) == blocks["labels"]) & blocks["valid"]  # [N, K]
         return loss.total, hits.sum(0).float().cpu(), blocks["valid"].sum(0).float().cpu()

@@ -283,7 +283,7 @@ class DraftHeads(nn.Module):
         return token_ids
 
     def fit_vocabulary(self, ranked_ids: list[int], target) -> None:
-        """Before training from scratch: the data's label tokens, most frequent first."""
+        """Before training (from scratch, or before a resumed state is loaded): the data's label tokens, most frequent first."""
 
     def label_logits(self, batch, features: torch.Tensor, rows: torch.Tensor, parts: FrozenTargetParts) -> torch.Tensor:
         """Logits [N, V'] of label rows [N, 3] (head k - 1, b, t) of `features` [K, B, T, H] as drafting

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..heads import DSparkModule, FrozenTargetParts, read_checkpoint_config, save_checkpoint
-from ..heads.dspark import analytic_acceptance, fit_sequential_temperatures, survival_ece
+from ..heads.dspark import analytic_acceptance, fit_sequential_temperatures, survival_ece, target_on_vocabulary
 from .data import Sample
 from .trainer import TrainSettings, label_rows, make_batch
 
@@ -57,10 +57,10 @@ def evaluate_blocks(module: DSparkModule, samples: list[Sample], parts: FrozenTa
         valid, _ = module.valid_blocks(batch, rows)
         anchors = torch.stack([torch.zeros_like(starts), starts], dim=1)  # [N, 2]
         blocks = module.anchor_blocks(batch, features, anchors, valid)
-        draft_logits, confidence = module.block_logits(blocks, parts)  # [N, K, V], [N, K]
-        target_probs = F.softmax(parts.lm_head(blocks["top"]).float(), dim=-1)
-        acceptance = analytic_acceptance(F.softmax(draft_logits.float(), dim=-1), target_probs)  # [N, K]
-        hits = (draft_logits.argmax(-1) == blocks["labels"]) & blocks["valid"]
+        draft_logits, confidence = module.block_logits(blocks, parts)  # [N, K, V'] over module.draft_ids, [N, K]
+        target_probs, outside = target_on_vocabulary(parts.lm_head(blocks["top"]), module.draft_ids)  # [N, K, V'], [N, K]
+        acceptance = analytic_acceptance(F.softmax(draft_logits.float(), dim=-1), target_probs, outside)  # [N, K]
+        hits = (module.to_target_ids(draft_logits.argmax(-1)) == blocks["labels"]) & blocks["valid"]
         accepted_all.append(hits.long().cumprod(-1).sum(-1).cpu())
         logits_all.append(confidence.float().cpu())
         acceptance_all.append(acceptance.cpu())

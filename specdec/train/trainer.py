@@ -505,8 +505,9 @@ def train(
     parts = FrozenTargetParts.from_target(target).to(device, torch.float32)
     heads.to(device=device, dtype=torch.float32).train()
     train_samples, eval_samples = split_samples(samples, settings.eval_fraction)
-    if not resume or not state_path_of(out_dir).is_file():
-        heads.fit_vocabulary(rank_label_tokens(train_samples)[0], target)  # EAGLE-3's draft vocabulary (before the optimizer)
+    # the draft vocabulary (EAGLE-3's LM head, DSpark's loss vocabulary), before the optimizer; on
+    # resume the loaded state then overwrites what the module stores of it (DSpark stores nothing)
+    heads.fit_vocabulary(rank_label_tokens(train_samples)[0], target)
     vocab = None
     if settings.softmax_negatives and heads.reads_target_distribution:
         raise ValueError(f"{heads.kind} trains on its own reduced vocabulary: a sampled softmax does not apply")
