@@ -284,8 +284,8 @@ def test_block_logits_on_the_draft_vocabulary_are_the_full_ones_at_its_ids(smoll
     module = _perturbed(build_heads("dspark", smollm2, 4, block_size=4, markov_rank=8), scale=0.02)
     torch.nn.init.normal_(module.sequential.markov_head.markov_w2.weight, std=0.5)
     parts = FrozenTargetParts.from_target(smollm2).to(dtype=torch.float32)
-    hidden = torch.randn(2, 4, smollm2.config.hidden_size).transpose(0, 1)  # a strided [N, K, H] view, as in training
-    blocks = {"hidden": hidden, "previous": torch.randint(0, smollm2.config.vocab_size, (4, 2)).t().contiguous().t()}
+    hidden = torch.randn(4, 2, smollm2.config.hidden_size).transpose(0, 1)  # a strided [N, K, H] view, as in training
+    blocks = {"hidden": hidden, "previous": torch.randint(0, smollm2.config.vocab_size, (4, 2)).t()}
     full, full_confidence = module.block_logits(blocks, parts)  # [N, K, V]
     ranked = torch.randperm(smollm2.config.vocab_size, generator=torch.Generator().manual_seed(0))[:300].tolist()
     module.fit_vocabulary(ranked, smollm2)
@@ -293,6 +293,8 @@ def test_block_logits_on_the_draft_vocabulary_are_the_full_ones_at_its_ids(smoll
     restricted, confidence = module.block_logits(blocks, parts)  # [N, K, 300]
     assert_close_to_scale(restricted, full[..., module.draft_ids], what="logits over the draft vocabulary")
     torch.testing.assert_close(confidence, full_confidence)
+    empty, _ = module.block_logits({"hidden": hidden[:0], "previous": blocks["previous"][:0]}, parts)  # a step without blocks
+    assert empty.shape == (0, 4, 300)
     assert module.to_target_ids(torch.tensor([0, 299])).tolist() == [ranked[0], ranked[299]]
     assert module.to_draft_indices(torch.tensor([ranked[5], next(i for i in range(10**6) if i not in set(ranked))])).tolist() == [5, -100]
 

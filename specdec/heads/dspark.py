@@ -392,7 +392,7 @@ class DSparkModule(DFlashModule):
         vocab_parts = parts if self.draft_ids is None else parts.with_lm_rows(self.draft_ids)
         # rows flattened to one contiguous [N * K, H]: an LM head over a strided 3-d view runs as a
         # batched matmul with the [V', H] weight expanded per block (5x slower on CPU, both ways)
-        base = vocab_parts.lm_head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:2], -1)
+        base = vocab_parts.lm_head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:2], vocab_parts.lm_head_weight.shape[0])
         return self.sequential.block(base, hidden, blocks["previous"], self.draft_ids)
 
     def valid_blocks(self, batch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,7 +419,7 @@ class DSparkModule(DFlashModule):
         logits, confidence = self.block_logits(blocks, parts)
         decay = -1.0 / math.log(settings.head_decay) if 0 < settings.head_decay < 1 else None
         top = blocks["top"]  # [N, K, H]: the target's own state, its logits over the whole vocabulary
-        target_logits = parts.lm_head(top.reshape(-1, top.shape[-1])).view(*top.shape[:2], -1)
+        target_logits = parts.lm_head(top.reshape(-1, top.shape[-1])).view(*top.shape[:2], parts.lm_head_weight.shape[0])
         loss = dspark_loss(logits, target_logits, self.to_draft_indices(blocks["labels"]), confidence, blocks["valid"],
                            decay, ids=self.draft_ids)
         hits = (self.to_target_ids(logits.argmax(-1)) == blocks["labels"]) & blocks["valid"]  # [N, K]
