@@ -75,9 +75,11 @@ class MarkovHead(nn.Module):
 
     def bias(self, inputs: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """W2 inputs: [..., r] -> [..., V'] over the token ids `ids` [V'] (None = every id; only those
-        rows of W2 are multiplied, and only they get a gradient)."""
-        weight = self.markov_w2.weight if ids is None else self.markov_w2.weight[ids]  # [V', r]
-        return F.linear(inputs, weight)
+        rows of W2 are multiplied, and only they get a gradient). Over every id it is the module itself,
+        so a drafter's linear backend (draft_linears) runs it; over V' the [V', r] rows are fp32."""
+        if ids is None:
+            return self.markov_w2(inputs)
+        return F.linear(inputs, self.markov_w2.weight[ids])  # W2 rows [V', r]
 
     def step(self, state, previous_tokens: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor | None = None):
         """(next state, bias [..., V']) for one position; previous_tokens [...], hidden [..., H]."""
