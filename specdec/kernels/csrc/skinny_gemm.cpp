@@ -584,12 +584,13 @@ void micro_tile(const TileArgs& a) {
 //     q int8[K] | d float[K / 32] | ds float[K / 32] | bsum int16[K / 32]
 // with bsum = the sum of q over each 32 and ds = d * bsum (the min formats' terms).
 // 32-weight formats, per block: acc = fma(int32 lanes -> fp32, weight scale * d, acc).
-// K-quants: the 6-bit / int8 sub-block scales multiply the exact integer dot products, so each
-// 256 weights cost one fp32 update: acc = fma(int32 lanes -> fp32, d_w * d, acc) (+ the min term
-// from bsum in integers). Then y = hsum(acc) + mins [+ bias]. Every output is one fixed
-// instruction sequence: bitwise batch invariant, and the same bits on AVX2 and AVX-512 CPUs: every
-// float step sees the same 8 int32 lanes per output (the AVX-512 K-quant path folds its 16 into
-// them first; integer sums are exact in any order).
+// Then y = hsum(acc) + mins [+ bias].
+// K-quants: the 6-bit / int8 sub-block scales multiply the exact integer dot products, and each
+// output's lanes are summed to ONE integer per 256 weights (exact, so the same integer in any
+// order, on either build), then one fp32 update per output: acc = fma(total, d_w * d, acc), and
+// acc = fnmadd(sum of m * bsum, dmin * d, acc) for the min formats. Then y = acc [+ bias].
+// Every output is one fixed instruction sequence: bitwise batch invariant, and the same bits on
+// AVX2 and AVX-512 CPUs: every float step sees the same integers.
 constexpr int kA8Sub = 32;
 inline int64_t a8_row_bytes(int64_t K) { return K + (K / kA8Sub) * (int64_t)(2 * sizeof(float) + sizeof(int16_t)); }
 
@@ -666,8 +667,9 @@ inline __m256i dot_u8_i8_scaled(__m256i acc, __m256i u, __m256i s, __m256i scale
 #endif
 }
 
-// The float accumulators live in a.saved (8 lanes + the min-term sum per output): the K-quant path
-// touches them once per 256 weights, and keeping them out of registers leaves room for the integer sums.
+// The float accumulators live in a.saved (32-weight formats: 8 lanes + the min-term sum per output;
+// K-quants: one float per output, touched once per 256 weights): keeping them out of registers
+// leaves room for the integer sums.
 // Formats whose a8 tile runs two columns per zmm (the decoded 32-weight blocks of the VNNI build)
 template <typename Fmt, typename = void>
 struct pairs_columns : std::false_type {};
@@ -856,69 +858,47 @@ void a8_tile(const TileArgs& a) {
         }
       }
 #endif
-      // min terms (Q4_K, Q5_K), per column: mins -= (dmin * dx) * sum over sub-blocks of m * bsum
-      // (exact in int32); 4 lanes per column, the columns' m and dmin side by side (zero past NR)
+      // Each output's lanes -> ONE exact integer total per super-block (any order gives the same
+      // integer), then one 4-column fp32 update per row: acc = fma(total, d_w * dx, acc), and for
+      // Q4_K / Q5_K acc = fnmadd(sum over sub-blocks of m * bsum, dmin * dx, acc). Both builds run
+      // these same 128-bit float ops per output. Columns past NR are zero (d = dmin = 0).
+      auto d_of = [&](int c) { return c < NR ? scales[c].d : 0.0f; };
+      const __m128 d_cols = _mm_setr_ps(d_of(0), d_of(1), d_of(2), d_of(3));
       [[maybe_unused]] __m256i m_cols[2];  // int16: columns 0, 1 | 2, 3
-      [[maybe_unused]] __m256 dmin_cols[2];
+      [[maybe_unused]] __m128 dmin_cols;
       if constexpr (Fmt::kHasMin) {
         auto m_of = [&](int c) { return c < NR ? _mm_load_si128((const __m128i*)scales[c].m) : _mm_setzero_si128(); };
-        auto dmin_of = [&](int c) { return _mm_set1_ps(c < NR ? scales[c].dmin : 0.0f); };
+        auto dmin_of = [&](int c) { return c < NR ? scales[c].dmin : 0.0f; };
         m_cols[0] = _mm256_set_m128i(m_of(1), m_of(0)), m_cols[1] = _mm256_set_m128i(m_of(3), m_of(2));
-        dmin_cols[0] = _mm256_set_m128(dmin_of(1), dmin_of(0)), dmin_cols[1] = _mm256_set_m128(dmin_of(3), dmin_of(2));
+        dmin_cols = _mm_setr_ps(dmin_of(0), dmin_of(1), dmin_of(2), dmin_of(3));
       }
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const A8Row row(a.xq + r * a.ldxq, a.K);
-        const float dx = row.d[kb / Fmt::kA8Block];
-        __m128i bsum_lo;
-        if constexpr (Fmt::kHasMin) bsum_lo = _mm_loadu_si128((const __m128i*)(row.bsum + kb / kA8Sub));  // 8 x int16
-#ifdef SG_A8_ZMM
-        // acc = fma(int32 lanes -> fp32, d_w * dx, acc), two columns per zmm: folding the halves of
-        // columns c and c + 1 gives their 8 lanes each (as in the 256-bit build), side by side
+        const __m128 dx = _mm_set1_ps(row.d[kb / Fmt::kA8Block]);
+        __m256i lanes[4];  // 8 int32 per column
 #pragma GCC unroll 4
-        for (int c = 0; c + 1 < NR; c += 2) {
-          const __m512i lanes = _mm512_add_epi32(_mm512_shuffle_i64x2(isum2[r][c], isum2[r][c + 1], 0x44),   // low halves
-                                                 _mm512_shuffle_i64x2(isum2[r][c], isum2[r][c + 1], 0xee));  // high halves
-          const __m512 d = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(scales[c].d))),
-                                                               _mm256_castps_pd(_mm256_set1_ps(scales[c + 1].d)), 1));
-          float* acc = acc_of(r, c);  // columns c, c + 1: 16 floats
-          _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_mul_ps(d, _mm512_set1_ps(dx)), _mm512_loadu_ps(acc)));
-        }
-        if constexpr (NR % 2) {
-          const __m512i last = isum2[r][NR - 1];
-          const __m256i lanes = _mm256_add_epi32(_mm512_castsi512_si256(last), _mm512_extracti64x4_epi64(last, 1));
-          float* acc = acc_of(r, NR - 1);
-          _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(scales[NR - 1].d * dx), _mm256_loadu_ps(acc)));
-        }
-#else
-#pragma GCC unroll 8
-        for (int c = 0; c < NR; ++c) {
-          float* acc = acc_of(r, c);
-          _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][c]), _mm256_set1_ps(scales[c].d * dx),
-                                                _mm256_loadu_ps(acc)));
-        }
-#endif
-        if constexpr (Fmt::kHasMin) {
+        for (int c = 0; c < 4; ++c) {
 #ifdef SG_A8_ZMM
-          __m512i sums = _mm512_madd_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(m_cols[0]), m_cols[1], 1),
-                                           _mm512_broadcast_i32x4(bsum_lo));  // 4 int32 per column
-          sums = _mm512_add_epi32(sums, _mm512_shuffle_epi32(sums, (_MM_PERM_ENUM)0x4e));
-          sums = _mm512_add_epi32(sums, _mm512_shuffle_epi32(sums, (_MM_PERM_ENUM)0xb1));  // each lane: its column's sum
-          const __m512 dm = _mm512_mul_ps(_mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(dmin_cols[0])), _mm256_castps_pd(dmin_cols[1]), 1)), _mm512_set1_ps(dx));
-          _mm512_storeu_ps(mins_of(r), _mm512_sub_ps(_mm512_loadu_ps(mins_of(r)), _mm512_mul_ps(dm, _mm512_cvtepi32_ps(sums))));
+          lanes[c] = c < NR ? _mm256_add_epi32(_mm512_castsi512_si256(isum2[r][c]), _mm512_extracti64x4_epi64(isum2[r][c], 1))
+                            : _mm256_setzero_si256();
 #else
-          const __m256i bsum = _mm256_broadcastsi128_si256(bsum_lo);
-#pragma GCC unroll 2
-          for (int half = 0; half < 2; ++half) {  // columns 2 half, 2 half + 1
-            __m256i sums = _mm256_madd_epi16(m_cols[half], bsum);  // 4 int32 per column
-            sums = _mm256_add_epi32(sums, _mm256_shuffle_epi32(sums, 0x4e));
-            sums = _mm256_add_epi32(sums, _mm256_shuffle_epi32(sums, 0xb1));  // each lane: its column's sum
-            float* mins = mins_of(r) + 8 * half;
-            const __m256 dm = _mm256_mul_ps(dmin_cols[half], _mm256_set1_ps(dx));
-            _mm256_storeu_ps(mins, _mm256_sub_ps(_mm256_loadu_ps(mins), _mm256_mul_ps(dm, _mm256_cvtepi32_ps(sums))));
-          }
+          lanes[c] = c < NR ? isum[r][c] : _mm256_setzero_si256();
 #endif
         }
+        // hadd tree: lanes 0-3 of each half = the columns' partial sums, the halves added = totals
+        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[0], lanes[1]), _mm256_hadd_epi32(lanes[2], lanes[3]));
+        const __m128i totals = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        float* acc = acc_of(r, 0);  // the 4 columns' accumulators
+        __m128 sum = _mm_fmadd_ps(_mm_cvtepi32_ps(totals), _mm_mul_ps(d_cols, dx), _mm_loadu_ps(acc));
+        if constexpr (Fmt::kHasMin) {
+          const __m256i bsum = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(row.bsum + kb / kA8Sub)));
+          __m256i m = _mm256_hadd_epi32(_mm256_madd_epi16(m_cols[0], bsum), _mm256_madd_epi16(m_cols[1], bsum));
+          m = _mm256_hadd_epi32(m, m);  // low half: columns 0, 2, high half: 1, 3
+          const __m128i msum = _mm_unpacklo_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+          sum = _mm_fnmadd_ps(_mm_cvtepi32_ps(msum), _mm_mul_ps(dmin_cols, dx), sum);
+        }
+        _mm_storeu_ps(acc, sum);
       }
     }
   }
@@ -940,8 +920,13 @@ void a8_tile(const TileArgs& a) {
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
     for (int c = 0; c < NR; ++c) {
-      float value = hsum256(_mm256_loadu_ps(acc_of(r, c)));
-      if constexpr (Fmt::kHasMin) value += mins_of(r)[4 * c];
+      float value;
+      if constexpr (Fmt::kA8Block == kA8Sub) {
+        value = hsum256(_mm256_loadu_ps(acc_of(r, c)));
+        if constexpr (Fmt::kHasMin) value += mins_of(r)[4 * c];
+      } else {
+        value = acc_of(r, 0)[c];  // K-quants: one float per output, min terms included
+      }
       if (a.bias) value += a.bias[c];
       a.y[r * a.ldy + c] = value;
     }
