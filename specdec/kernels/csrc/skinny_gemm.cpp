@@ -197,10 +197,14 @@ inline __m512i nibble_pair64(const uint8_t* p) {  // 32 bytes -> their low nibbl
   const __m512i b = broadcast32(p);
   return _mm512_and_si512(_mm512_mask_srli_epi16(b, kHighWords, b, 4), _mm512_set1_epi8(0x0f));
 }
-// int16 lanes 0-15 = sc[first], 16-31 = sc[first + 1] (Q4_K / Q5_K: a scale per 32 weights)
-inline __m512i scale16_pair(const int16_t* sc, int first) {
-  const __m512i index = _mm512_mask_blend_epi16(kHighWords, _mm512_set1_epi16((short)first), _mm512_set1_epi16((short)(first + 1)));
-  return _mm512_permutexvar_epi16(index, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)sc)));
+// The int16 lanes of _mm512_packs_epi32(dpbusd of pair 2 quad, dpbusd of pair 2 quad + 1): lanes 8k ..
+// 8k + 3 are 16-weight group 8 quad + k, lanes 8k + 4 .. 8k + 7 group 8 quad + 4 + k. -> the index of
+// each lane's scale in KQuantA8Scales::sc (a scale per 16 weights, or per 32: group / 2).
+inline __m512i quad_scale_index(int quad, bool per16) {
+  const __m512i group = _mm512_add_epi16(_mm512_setr_epi64(0x0000000000000000LL, 0x0004000400040004LL, 0x0001000100010001LL, 0x0005000500050005LL,
+                                                           0x0002000200020002LL, 0x0006000600060006LL, 0x0003000300030003LL, 0x0007000700070007LL),
+                                         _mm512_set1_epi16((short)(8 * quad)));
+  return per16 ? group : _mm512_srli_epi16(group, 1);
 }
 #endif
 
@@ -383,7 +387,7 @@ struct Q4_KFormat {  // d, dmin fp16, scales[12], qs[128]: sub-block 2i / 2i+1 =
 #ifdef SG_A8_ZMM
   static constexpr int kZmmOffset = 0;  // quants64 - kZmmOffset = the weights
   static __m512i quants64(const uint8_t* b, int pair) { return nibble_pair64(b + 16 + 32 * pair); }
-  static __m512i a8_scale16_pair(const A8Scales& s, int pair) { return scale16_pair(s.sc, 2 * pair); }
+  static constexpr bool kA8ScalePer16 = false;
 #endif
 };
 
@@ -415,7 +419,7 @@ struct Q5_KFormat {  // d, dmin, scales[12], qh[32] (bit s of qh[j] = 5th bit of
     const __m512i high = _mm512_slli_epi16(_mm512_and_si512(qh, _mm512_set1_epi8(1)), 4);
     return _mm512_or_si512(nibble_pair64(b + 48 + 32 * pair), high);
   }
-  static __m512i a8_scale16_pair(const A8Scales& s, int pair) { return scale16_pair(s.sc, 2 * pair); }
+  static constexpr bool kA8ScalePer16 = false;
 #endif
 };
 
@@ -470,12 +474,7 @@ struct Q6_KFormat {  // ql[128], qh[64], scales int8[16] (one per 16 weights), d
     const __m512i high = _mm512_and_si512(_mm512_slli_epi16(qh, 4), _mm512_set1_epi8(0x30));
     return _mm512_or_si512(low, high);
   }
-  static __m512i a8_scale16_pair(const A8Scales& s, int pair) {  // int16 lanes 8i .. 8i + 7 = sc[4p + i]
-    constexpr long long kOnes = 0x0001000100010001LL;  // four int16 lanes of 1
-    const __m512i index = _mm512_setr_epi64(0, 0, kOnes, kOnes, 2 * kOnes, 2 * kOnes, 3 * kOnes, 3 * kOnes);
-    return _mm512_permutexvar_epi16(_mm512_add_epi16(index, _mm512_set1_epi16((short)(4 * pair))),
-                                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)s.sc)));
-  }
+  static constexpr bool kA8ScalePer16 = true;
 #endif
 };
 
@@ -805,32 +804,42 @@ void a8_tile(const TileArgs& a) {
 #pragma GCC unroll 8
       for (int c = 0; c < NR; ++c) Fmt::prepare_a8(a.w + c * a.ldw + offset, scales[c]);
 #ifdef SG_A8_ZMM
-      __m512i isum2[MR][NR];  // the same, sub-blocks 2p in the low, 2p + 1 in the high 8 lanes
+      __m512i isum2[MR][NR];  // per output: 16 int32 lanes of scaled products, summed to its total below
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
         for (int c = 0; c < NR; ++c) isum2[r][c] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-      for (int pair = 0; pair < kSubs / 2; ++pair) {
-        // columns outer, rows inner (x re-read from L1): MR * NR sums + one column's weights and
+#pragma GCC unroll 2
+      for (int quad = 0; quad < kSubs / 4; ++quad) {  // 128 weights: sub-block pairs 2 quad, 2 quad + 1
+        // dpbusd sums 4 byte products per int32 lane, each within int16 (|.| <= 4 * 63 * 127), so the
+        // two pairs' lanes pack into one vector of int16 (exact) and ONE dpwssd applies the
+        // sub-block scales: 3 multiply uops per 128 weights, where maddubs + dpwssd per pair take 4.
+        // Columns outer, rows inner (x re-read from L1): MR * NR sums + one column's weights and
         // scales stay in the 32 registers, where all NR columns' would spill
-        const uint8_t* xq = a.xq + kb + 2 * kA8Sub * pair;
-        __m512i offset_pairs[MR];  // kZmmOffset * (x pair sums): the int16 pairs of (q - offset) . x = q . x - this
+        const uint8_t* xq = a.xq + kb + 4 * kA8Sub * quad;
+        __m512i offset16[MR];  // kZmmOffset * (x sums per 4), packed as the products: (q - offset) . x = q . x - this
         if constexpr (Fmt::kZmmOffset != 0) {
 #pragma GCC unroll 8
-          for (int r = 0; r < MR; ++r)
-            offset_pairs[r] = _mm512_maddubs_epi16(_mm512_set1_epi8(Fmt::kZmmOffset), _mm512_loadu_si512((const void*)(xq + r * a.ldxq)));
+          for (int r = 0; r < MR; ++r) {
+            const __m512i offset = _mm512_set1_epi8(Fmt::kZmmOffset);
+            offset16[r] = _mm512_packs_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, _mm512_loadu_si512((const void*)(xq + r * a.ldxq))),
+                                             _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, _mm512_loadu_si512((const void*)(xq + r * a.ldxq + 64))));
+          }
         }
+        const __m512i scale_index = quad_scale_index(quad, Fmt::kA8ScalePer16);
 #pragma GCC unroll 8
         for (int c = 0; c < NR; ++c) {
-          const __m512i wq = Fmt::quants64(a.w + c * a.ldw + offset, pair);
-          const __m512i scale16 = Fmt::a8_scale16_pair(scales[c], pair);
+          const __m512i w0 = Fmt::quants64(a.w + c * a.ldw + offset, 2 * quad);
+          const __m512i w1 = Fmt::quants64(a.w + c * a.ldw + offset, 2 * quad + 1);
+          const __m512i scale16 = _mm512_permutexvar_epi16(scale_index, _mm512_castsi256_si512(_mm256_load_si256((const __m256i*)scales[c].sc)));
 #pragma GCC unroll 8
           for (int r = 0; r < MR; ++r) {
-            const __m512i xv = _mm512_loadu_si512((const void*)(xq + r * a.ldxq));
-            __m512i pairs = _mm512_maddubs_epi16(wq, xv);  // |pair| <= 2 * 63 * 127: no saturation
-            if constexpr (Fmt::kZmmOffset != 0) pairs = _mm512_sub_epi16(pairs, offset_pairs[r]);
-            isum2[r][c] = _mm512_dpwssd_epi32(isum2[r][c], pairs, scale16);
+            const __m512i x0 = _mm512_loadu_si512((const void*)(xq + r * a.ldxq));
+            const __m512i x1 = _mm512_loadu_si512((const void*)(xq + r * a.ldxq + 64));
+            __m512i products = _mm512_packs_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, x0),
+                                                  _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, x1));
+            if constexpr (Fmt::kZmmOffset != 0) products = _mm512_sub_epi16(products, offset16[r]);
+            isum2[r][c] = _mm512_dpwssd_epi32(isum2[r][c], products, scale16);
           }
         }
       }
