@@ -461,7 +461,7 @@ struct Q6_KFormat {  // ql[128], qh[64], scales int8[16] (one per 16 weights), d
 #ifdef SG_A8_ZMM
   // sub-blocks 2p, 2p + 1 = quarters 2 (p % 2) and + 1 of half p / 2: the 64 bytes of ql there (low
   // nibbles for even p, high for odd), and qh bits 4 (p % 2) (low half) / + 2 (high half). Unsigned
-  // q in [0, 63] (AVX-512 has no vpsignb): the tile subtracts 32 * the activation pairs instead.
+  // q in [0, 63] (AVX-512 has no vpsignb): the tile subtracts 32 * the activation sums instead.
   static constexpr int kZmmOffset = 32;
   static __m512i quants64(const uint8_t* b, int pair) {
     const int h = pair / 2, odd = pair % 2;
