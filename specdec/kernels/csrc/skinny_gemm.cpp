@@ -989,17 +989,21 @@ struct Decoded<Fmt, false, std::enable_if_t<!Fmt::kTail>> {
   }
 };
 
-// a8 mode, K-quants (Q4_K, Q5_K, Q6_K): per 256 weights the integer sub-block scales, the quant
-// vectors and the int16 scale vectors exactly as a8_tile builds them from the block
+// a8 mode, K-quants (Q4_K, Q5_K, Q6_K): per 256 weights the integer sub-block scales and the quant
+// vectors exactly as a8_tile builds them from the block (AVX2 build: also the int16 scale vectors)
 struct DecodedKQuantBlock {
   float d, dmin;
   alignas(16) int16_t m[8];
+  alignas(32) int16_t sc[16];
   alignas(64) uint8_t quants[256];   // quants64 per pair (zmm build) or quants32 per sub-block
-  alignas(64) uint8_t scale16[256];  // a8_scale16_pair per pair (zmm build) or a8_scale16 per sub-block
+#ifndef SG_A8_ZMM
+  alignas(64) uint8_t scale16[256];  // a8_scale16 per sub-block
+#endif
 };
 struct DecodedKQuantScales {  // what a8_tile reads of Fmt::A8Scales, pointing into the block
   float d, dmin;
   const int16_t* m;
+  const int16_t* sc;
   const uint8_t* scale16;
 };
 template <typename Fmt>
@@ -1009,15 +1013,15 @@ struct DecodedKQuantA8 {  // a8_tile's view of a DecodedKQuantBlock
   static constexpr int kA8Block = 256;
   using A8Scales = DecodedKQuantScales;
   static const DecodedKQuantBlock& of(const uint8_t* b) { return *(const DecodedKQuantBlock*)b; }
-  static void prepare_a8(const uint8_t* b, A8Scales& s) {
-    s = {of(b).d, of(b).dmin, of(b).m, of(b).scale16};
-  }
   static __m256i quants32(const uint8_t* b, int sub) { return _mm256_load_si256((const __m256i*)(of(b).quants + 32 * sub)); }
-  static __m256i a8_scale16(const A8Scales& s, int sub) { return _mm256_load_si256((const __m256i*)(s.scale16 + 32 * sub)); }
 #ifdef SG_A8_ZMM
+  static void prepare_a8(const uint8_t* b, A8Scales& s) { s = {of(b).d, of(b).dmin, of(b).m, of(b).sc, nullptr}; }
   static constexpr int kZmmOffset = Fmt::kZmmOffset;
+  static constexpr bool kA8ScalePer16 = Fmt::kA8ScalePer16;
   static __m512i quants64(const uint8_t* b, int pair) { return _mm512_load_si512((const void*)(of(b).quants + 64 * pair)); }
-  static __m512i a8_scale16_pair(const A8Scales& s, int pair) { return _mm512_load_si512((const void*)(s.scale16 + 64 * pair)); }
+#else
+  static void prepare_a8(const uint8_t* b, A8Scales& s) { s = {of(b).d, of(b).dmin, of(b).m, of(b).sc, of(b).scale16}; }
+  static __m256i a8_scale16(const A8Scales& s, int sub) { return _mm256_load_si256((const __m256i*)(s.scale16 + 32 * sub)); }
 #endif
 };
 template <typename Fmt>
@@ -1031,12 +1035,10 @@ struct Decoded<Fmt, true, std::enable_if_t<Fmt::kA8Block == 256>> {
     Fmt::prepare_a8(block, scales);
     d.d = scales.d, d.dmin = scales.dmin;
     std::memcpy(d.m, scales.m, sizeof d.m);
+    std::memcpy(d.sc, scales.sc, sizeof d.sc);
 #ifdef SG_A8_ZMM
 #pragma GCC unroll 4
-    for (int pair = 0; pair < 4; ++pair) {
-      _mm512_store_si512((void*)(d.quants + 64 * pair), Fmt::quants64(block, pair));
-      _mm512_store_si512((void*)(d.scale16 + 64 * pair), Fmt::a8_scale16_pair(scales, pair));
-    }
+    for (int pair = 0; pair < 4; ++pair) _mm512_store_si512((void*)(d.quants + 64 * pair), Fmt::quants64(block, pair));
 #else
 #pragma GCC unroll 8
     for (int sub = 0; sub < 8; ++sub) {
