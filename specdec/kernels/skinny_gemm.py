@@ -22,7 +22,8 @@ Backends (a registry, looked up by name):
 Environment: SPECDEC_LINEAR=torch turns the fast path off for "auto" callers;
 SPECDEC_CXX names the compiler (SPECDEC_CXX=none: behave as if there were none);
 SPECDEC_KERNEL_SPIN_US sets how long kernel threads spin-wait between calls (default 50);
-SPECDEC_KERNEL_ISA=avx2|avx512 picks the build (default: the widest the CPU has).
+SPECDEC_KERNEL_ISA=avx2|avx512 picks the build (default: the widest the CPU has);
+SPECDEC_KERNEL_AMX=0 keeps the int8-activation K-quant linears off AMX tiles (same bits, for A/Bs).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ ENV_BACKEND = "SPECDEC_LINEAR"
 ENV_COMPILER = "SPECDEC_CXX"
 ENV_SPIN_US = "SPECDEC_KERNEL_SPIN_US"
 ENV_ISA = "SPECDEC_KERNEL_ISA"
+ENV_AMX = "SPECDEC_KERNEL_AMX"
 NO_COMPILER = ("none", "0", "off", "false")
 # F16C (fp16 scales of GGUF blocks) comes with every AVX2 CPU
 ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx2", "-mfma", "-mf16c"), "avx2": ("-mavx2", "-mfma", "-mf16c")}
@@ -56,6 +58,9 @@ ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx2", "-mfma", "-mf16c"), "avx2": ("-ma
 # K-quants 64 weights per zmm (same results as the AVX2 maddubs sequence, fewer instructions)
 VNNI_FLAGS = ("-mavx512vnni", "-mavx512vl", "-mavx512bw")
 VNNI_CPU_FLAGS = {"avx512_vnni", "avx512vl", "avx512bw"}
+# ... and with AMX (Sapphire Rapids on): the multi-row a8 K-quant linears use int8 tiles (same bits)
+AMX_FLAGS = ("-mamx-tile", "-mamx-int8")
+AMX_CPU_FLAGS = {"amx_tile", "amx_int8"}
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-math-errno")
 DEFAULT_SPIN_US = 50
 _FP32 = torch.float32
@@ -80,8 +85,10 @@ def cpu_flags() -> set[str]:
 
 
 def isa_build_flags(isa: str) -> tuple[str, ...]:
-    """Compiler flags for the `isa` build; the AVX-512 build adds VNNI where this CPU has it."""
-    return ISA_FLAGS[isa] + (VNNI_FLAGS if isa == "avx512" and VNNI_CPU_FLAGS <= cpu_flags() else ())
+    """Compiler flags for the `isa` build; the AVX-512 build adds VNNI (and AMX) where this CPU has it."""
+    if isa != "avx512" or not VNNI_CPU_FLAGS <= cpu_flags():
+        return ISA_FLAGS[isa]
+    return ISA_FLAGS[isa] + VNNI_FLAGS + (AMX_FLAGS if AMX_CPU_FLAGS <= cpu_flags() else ())
 
 
 def cpu_isa() -> str | None:
@@ -146,6 +153,9 @@ class SkinnyGemmLibrary:
         lib.sg_quantize_a8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
         lib.sg_a8_block.argtypes = [ctypes.c_int]
         lib.sg_a8_vnni.restype = ctypes.c_int
+        lib.sg_set_amx.restype = ctypes.c_int
+        lib.sg_set_amx.argtypes = [ctypes.c_int]
+        lib.sg_amx.restype = ctypes.c_int
         lib.sg_dequantize_rows.restype = ctypes.c_int
         lib.sg_dequantize_rows.argtypes = [
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,  # blocks, K, ggml type
@@ -173,6 +183,7 @@ class SkinnyGemmLibrary:
         self.vector_width = int(lib.sg_vector_width())
         if lib.sg_isa().decode() != isa:
             raise KernelUnavailable(f"{path} was built for {lib.sg_isa().decode()}, expected {isa}")
+        self.set_amx(os.environ.get(ENV_AMX, "1").strip().lower() not in ("0", "off", "false", "no"))
         spin = os.environ.get(ENV_SPIN_US, str(DEFAULT_SPIN_US))
         try:
             lib.sg_set_spin_us(max(0, int(spin)))
@@ -248,6 +259,17 @@ class SkinnyGemmLibrary:
     def a8_vnni(self) -> bool:
         """Whether the int8-activation dot products use VNNI here (results are the same either way)."""
         return bool(self._lib.sg_a8_vnni())
+
+    def set_amx(self, enabled: bool) -> bool:
+        """Turn AMX int8 tiles for the multi-row a8 K-quant linears on or off (on by default unless
+        SPECDEC_KERNEL_AMX=0); returns whether they are on: False where the build, the CPU or
+        Linux (the tile-state request) lacks them. The results are bitwise the same either way."""
+        return bool(self._lib.sg_set_amx(int(bool(enabled))))
+
+    @property
+    def amx(self) -> bool:
+        """Whether the multi-row a8 K-quant linears run on AMX tiles now."""
+        return bool(self._lib.sg_amx())
 
     def a8_block(self, ggml_type: int) -> int:
         """Activation block of the int8 mode for weights of `ggml_type`: 32 (Q4_0 ... Q8_0, as

@@ -37,6 +37,8 @@
 #include <utility>
 #include <vector>
 #include <unistd.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
 
 namespace {
 
@@ -1184,6 +1186,198 @@ void run_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
   }
 }
 
+// ---------------------------------------------------------------- a8 K-quants on AMX int8 tiles
+// CPUs with AMX (Sapphire Rapids on): one TDPBSSD multiplies a 16 x 64-byte int8 tile by a 64 x 16
+// one into 16 x 16 int32 sums. The a8 K-quant outputs are defined by exact integers (see "int8
+// activations": per output and super-block ONE integer total of sub-block scale * sub-block dot
+// product, and one of the min terms) followed by one fixed sequence of float steps, so any exact
+// way of getting the integers gives the same bits: here, per 16 weight rows and sub-block (32
+// weights, Q6_K 16), ONE tile product of A = the 16 rows' decoded quants (natural layout, an L1
+// scratch decoded once per call and K-chunk, shared by every activation row) and B = up to 16
+// activation rows in the VNNI layout (4 consecutive bytes of a row side by side, prepared once per
+// call), stored as [16 weight rows][mp rows] int32 and multiplied by the rows' sub-block scales in
+// AVX-512 (vpmulld: exact, |total| < 2^31). Then the same float steps as a8_tile, lane by lane:
+//     acc = fma(float(total), d_w * d_x, acc);  acc = fnmadd(float(min total), dmin * d_x, acc)
+// The tiles' int32 products are exact (|.| <= 32 * 32 * 127 per sub-block), so the bits are those
+// of the AVX2 and VNNI builds, for any row count, row position and thread count.
+#if defined(SG_A8_ZMM) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define SG_AMX 1
+constexpr int kAmxTileRows = 16;      // weight rows per tile = output columns per tile
+constexpr int kAmxBlockRows = 16;     // activation rows per B tile
+constexpr int64_t kAmxKChunk = 1024;  // weights per row decoded at a time: 16 rows x 1 KiB in L1
+
+struct alignas(64) AmxTileConfig {  // LDTILECFG's 64-byte layout (palette 1)
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// One call's activation rows, per block of kAmxBlockRows rows, in the lanes the tile code reads:
+// mp = 4, 8 or 16 rows per block (the next of those >= M, 16 past it); lane l of a 16-lane vector
+// belongs to row l % mp of the block (rows past M are zero and their outputs are dropped).
+struct AmxActivations {
+  int64_t blocks;
+  std::vector<int32_t> vnni;        // [blocks][K / 4][mp]: 4 bytes of row m at k = 4 i .. 4 i + 3
+  std::vector<float> dx;            // [blocks][K / 256][16]: the rows' activation scales
+  std::vector<int32_t> bsum_pairs;  // [blocks][K / 256][4][16]: the int16 bsum pair (2p, 2p + 1)
+};
+
+void prepare_amx_activations(const uint8_t* xq, int64_t M, int64_t K, int mp, AmxActivations& act) {
+  const int64_t ldxq = a8_row_bytes(K), supers = K / 256;
+  act.blocks = (M + kAmxBlockRows - 1) / kAmxBlockRows;
+  act.vnni.assign((size_t)(act.blocks * (K / 4) * mp), 0);
+  act.dx.assign((size_t)(act.blocks * supers * 16), 0.0f);
+  act.bsum_pairs.assign((size_t)(act.blocks * supers * 4 * 16), 0);
+  for (int64_t b = 0; b < act.blocks; ++b)
+    for (int m = 0; m < mp; ++m) {
+      const int64_t row = b * kAmxBlockRows + m;
+      if (row >= M) break;
+      const A8Row x(xq + row * ldxq, K);
+      int32_t* vnni = act.vnni.data() + b * (K / 4) * mp + m;
+      for (int64_t i = 0; i < K / 4; ++i) std::memcpy(vnni + i * mp, x.q + 4 * i, 4);
+      for (int64_t sb = 0; sb < supers; ++sb)
+        for (int lane = m; lane < 16; lane += mp) {
+          act.dx[(size_t)((b * supers + sb) * 16 + lane)] = x.d[sb];
+          for (int p = 0; p < 4; ++p)
+            std::memcpy(&act.bsum_pairs[(size_t)(((b * supers + sb) * 4 + p) * 16 + lane)], x.bsum + 8 * sb + 2 * p, 4);
+        }
+    }
+}
+
+struct AmxJob {
+  const AmxActivations* act;
+  int mp;
+};
+
+// Output columns [16 tile_begin, 16 tile_end) for every row. kMp: activation rows per B tile.
+template <typename Fmt, int kMp>
+void amx_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
+  constexpr int kSub = Fmt::kA8ScalePer16 ? 16 : 32, kSubs = 256 / kSub;
+  constexpr int64_t kSupers = kAmxKChunk / 256;
+  const AmxActivations& act = *((const AmxJob*)job.ctx)->act;
+  const int64_t K = job.K, supers = K / 256;
+  AmxTileConfig config{};
+  config.palette = 1;
+  config.rows[0] = kAmxTileRows, config.colsb[0] = kSub;             // tmm0: A, the weights
+  config.rows[1] = kSub / 4, config.colsb[1] = kMp * 4;              // tmm1: B, the activations
+  config.rows[2] = kAmxTileRows, config.colsb[2] = kMp * 4;          // tmm2: C, [weight row][activation row]
+  _tile_loadconfig(&config);
+  // decoded K-chunk of the tile's 16 rows, the scales transposed to one 16-lane vector per sub-block
+  alignas(64) int8_t quants[kAmxTileRows][kAmxKChunk];
+  alignas(64) int32_t scales[kSupers][kSubs][16];
+  alignas(64) int32_t min_pairs[kSupers][4][16];
+  alignas(64) float d_w[kSupers][16], dmin_w[kSupers][16];
+  alignas(64) int32_t products[kAmxTileRows * kMp];
+  std::vector<float> acc_buffer((size_t)(act.blocks * kAmxTileRows * kMp));  // per block: [16 columns][kMp rows]
+  // lane l of vector j (of kMp) is output (column (16 j + l) / kMp, row l % kMp)
+  __m512i column_of[kMp];
+  for (int j = 0; j < kMp; ++j)
+    column_of[j] = _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(16 * j), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+                                     kMp == 16 ? 4 : kMp == 8 ? 3 : 2);
+  for (int64_t t = tile_begin; t < tile_end; ++t) {
+    const int64_t n0 = t * kAmxTileRows;
+    const int nr = (int)std::min<int64_t>(kAmxTileRows, job.N - n0);
+    std::fill(acc_buffer.begin(), acc_buffer.end(), 0.0f);
+    for (int64_t k0 = 0; k0 < K; k0 += kAmxKChunk) {
+      const int64_t chunk_supers = std::min<int64_t>(kSupers, (K - k0) / 256);
+      for (int r = 0; r < kAmxTileRows; ++r)
+        for (int64_t sb = 0; sb < chunk_supers; ++sb) {
+          if (r >= nr) {  // past N: zero weights and scales (outputs dropped)
+            std::memset(quants[r] + 256 * sb, 0, 256);
+            for (int sub = 0; sub < kSubs; ++sub) scales[sb][sub][r] = 0;
+            for (int p = 0; p < 4; ++p) min_pairs[sb][p][r] = 0;
+            d_w[sb][r] = dmin_w[sb][r] = 0.0f;
+            continue;
+          }
+          const uint8_t* block = job.w + (n0 + r) * job.row_bytes + (k0 / 256 + sb) * Fmt::kBytes;
+          typename Fmt::A8Scales s;
+          Fmt::prepare_a8(block, s);
+#pragma GCC unroll 4
+          for (int pair = 0; pair < 4; ++pair)
+            _mm512_store_si512((void*)(quants[r] + 256 * sb + 64 * pair),
+                               _mm512_sub_epi8(Fmt::quants64(block, pair), _mm512_set1_epi8((char)Fmt::kZmmOffset)));
+          for (int sub = 0; sub < kSubs; ++sub) scales[sb][sub][r] = s.sc[sub];
+          d_w[sb][r] = s.d;
+          if constexpr (Fmt::kHasMin) {
+            dmin_w[sb][r] = s.dmin;
+            for (int p = 0; p < 4; ++p) std::memcpy(&min_pairs[sb][p][r], s.m + 2 * p, 4);
+          }
+        }
+      for (int64_t b = 0; b < act.blocks; ++b) {
+        float* acc = acc_buffer.data() + b * kAmxTileRows * kMp;
+        for (int64_t sb = 0; sb < chunk_supers; ++sb) {
+          const int64_t super = k0 / 256 + sb;
+          __m512i total[kMp];
+#pragma GCC unroll 16
+          for (int j = 0; j < kMp; ++j) total[j] = _mm512_setzero_si512();
+          const int32_t* x_tile = act.vnni.data() + (b * (K / 4) + super * 64) * kMp;
+#pragma GCC unroll 2
+          for (int sub = 0; sub < kSubs; ++sub) {
+            _tile_zero(2);
+            _tile_loadd(0, quants[0] + 256 * sb + kSub * sub, kAmxKChunk);
+            _tile_loadd(1, x_tile + (kSub / 4) * sub * kMp, kMp * 4);
+            _tile_dpbssd(2, 0, 1);
+            _tile_stored(2, products, kMp * 4);
+            const __m512i sc = _mm512_load_si512((const void*)scales[sb][sub]);
+#pragma GCC unroll 16
+            for (int j = 0; j < kMp; ++j) {
+              const __m512i scale = kMp == 16 ? _mm512_set1_epi32(scales[sb][sub][j]) : _mm512_permutexvar_epi32(column_of[j], sc);
+              total[j] = _mm512_add_epi32(total[j], _mm512_mullo_epi32(_mm512_load_si512((const void*)(products + 16 * j)), scale));
+            }
+          }
+          const __m512 dx = _mm512_loadu_ps(act.dx.data() + (b * supers + super) * 16);
+          const __m512 dw = _mm512_load_ps(d_w[sb]);
+          [[maybe_unused]] __m512 dmin;
+          [[maybe_unused]] __m512i bsum_pairs[4], m_pairs[4];
+          if constexpr (Fmt::kHasMin) {
+            dmin = _mm512_load_ps(dmin_w[sb]);
+            for (int p = 0; p < 4; ++p) {
+              bsum_pairs[p] = _mm512_loadu_si512((const void*)(act.bsum_pairs.data() + ((b * supers + super) * 4 + p) * 16));
+              m_pairs[p] = _mm512_load_si512((const void*)min_pairs[sb][p]);
+            }
+          }
+#pragma GCC unroll 16
+          for (int j = 0; j < kMp; ++j) {
+            __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[j]), _mm512_mul_ps(_mm512_permutexvar_ps(column_of[j], dw), dx),
+                                         _mm512_loadu_ps(acc + 16 * j));
+            if constexpr (Fmt::kHasMin) {
+              __m512i mins = _mm512_setzero_si512();
+              for (int p = 0; p < 4; ++p) mins = _mm512_dpwssd_epi32(mins, _mm512_permutexvar_epi32(column_of[j], m_pairs[p]), bsum_pairs[p]);
+              sum = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(_mm512_permutexvar_ps(column_of[j], dmin), dx), sum);
+            }
+            _mm512_storeu_ps(acc + 16 * j, sum);
+          }
+        }
+      }
+    }
+    for (int64_t b = 0; b < act.blocks; ++b) {
+      const float* acc = acc_buffer.data() + b * kAmxTileRows * kMp;
+      for (int m = 0; m < kMp && b * kAmxBlockRows + m < job.M; ++m) {
+        float* y = job.y + (b * kAmxBlockRows + m) * job.N + n0;
+        for (int c = 0; c < nr; ++c) {
+          float value = acc[c * kMp + m];
+          if (job.bias) value += job.bias[n0 + c];
+          y[c] = value;
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+template <typename Fmt>
+constexpr std::array<void (*)(const LinearJob&, int64_t, int64_t), 3> amx_tile_runners() {
+  if constexpr (Fmt::kA8Block == 256) return {amx_tiles<Fmt, 4>, amx_tiles<Fmt, 8>, amx_tiles<Fmt, 16>};
+  else return {nullptr, nullptr, nullptr};
+}
+#endif
+
+// AMX on when the build has it, the CPU has it, the kernel asked Linux for the tile state and got
+// it, and the caller wants it (sg_set_amx); from kAmxMinRows activation rows (a decode step's one
+// row stays on the VNNI tile: a 16-row tile for one row would waste the setup).
+std::atomic<int> g_amx_on{0};
+constexpr int64_t kAmxMinRows = 2;
+
 // Rows of a block-format weight written out as fp32 (an embedding lookup), with the same
 // per-weight expressions as the linear.
 template <typename Fmt>
@@ -1204,10 +1398,17 @@ struct BlockFormat {
   void (*dequantize_row)(const uint8_t*, int64_t, float*);
   void (*run_tiles_a8)(const LinearJob&, int64_t, int64_t);  // int8 activations
   int a8_block;  // activation block of the a8 mode (32, or 256 for K-quants)
+#ifdef SG_AMX
+  std::array<void (*)(const LinearJob&, int64_t, int64_t), 3> run_tiles_amx;  // a8 on AMX, 4 / 8 / 16 rows per B tile (K-quants)
+#endif
 };
 template <typename Fmt>
 constexpr BlockFormat block_format() {
-  return {Fmt::kBlock, Fmt::kBytes, run_tiles<Fmt>, dequantize_row<Fmt>, run_tiles<Fmt, true>, Fmt::kA8Block};
+  return {Fmt::kBlock, Fmt::kBytes, run_tiles<Fmt>, dequantize_row<Fmt>, run_tiles<Fmt, true>, Fmt::kA8Block,
+#ifdef SG_AMX
+          amx_tile_runners<Fmt>(),
+#endif
+  };
 }
 const BlockFormat* find_block_format(int ggml_type) {
   static const BlockFormat q4_0 = block_format<Q4_0Format>(), q4_1 = block_format<Q4_1Format>(),
@@ -1628,8 +1829,39 @@ int sg_linear_gguf_a8(const float* x, int64_t M, int64_t K, const uint8_t* w, in
   for (int64_t i = 0; i < M; ++i) quantize_a8_row(x + i * K, K, f->a8_block, xq.data() + i * a8_row_bytes(K));
   LinearJob job{x, M, K, w, K / f->block * f->bytes, nullptr, N, bias, y, 0, 0, f->run_tiles_a8};
   job.xq = xq.data();
+#ifdef SG_AMX
+  if (g_amx_on.load() && f->run_tiles_amx[0] && M >= kAmxMinRows) {
+    const int mp = M <= 4 ? 4 : M <= 8 ? 8 : 16;
+    AmxActivations act;
+    prepare_amx_activations(xq.data(), M, K, mp, act);
+    const AmxJob amx{&act, mp};
+    job.ctx = &amx;
+    job.run_tiles = f->run_tiles_amx[mp == 4 ? 0 : mp == 8 ? 1 : 2];
+    job.num_tiles = (N + kAmxTileRows - 1) / kAmxTileRows;
+    return run_job(job, num_threads, M * N * K);
+  }
+#endif
   return run_linear(job, num_threads);
 }
+
+// AMX for the a8 K-quants at >= 2 rows: `on` = 1 asks for it (the first time, the kernel requests
+// the tile state from Linux: arch_prctl ARCH_REQ_XCOMP_PERM), 0 turns it off. Returns whether it
+// is on now: 0 when the build or the CPU lacks AMX or Linux refused. The bits are the same either way.
+int sg_set_amx(int on) {
+#ifdef SG_AMX
+  static const bool granted = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return false;  // AMX-TILE, AMX-INT8
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
+  g_amx_on.store(on && granted ? 1 : 0);
+  return g_amx_on.load();
+#else
+  (void)on;
+  return 0;
+#endif
+}
+int sg_amx() { return g_amx_on.load(); }
 
 // Bytes of one quantized activation row of K (K a multiple of 32), else 0.
 int64_t sg_a8_row_bytes(int64_t K) { return K > 0 && K % kA8Sub == 0 ? a8_row_bytes(K) : 0; }
