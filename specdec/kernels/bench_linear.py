@@ -76,9 +76,29 @@ def method_table(compiler: str | None = None) -> dict[str, Callable]:
         for type_name in ("Q4_K", "Q6_K", "Q8_0", "Q5_0"):
             methods[f"gguf_{type_name.lower()}"] = _gguf_blocks(type_name, kernel)
             methods[f"gguf_{type_name.lower()}_a8"] = _gguf_blocks(type_name, kernel, activations="int8")
+            if kernel.library.amx and type_name.endswith("_K"):  # the same kernel with AMX off (A/B)
+                methods[f"gguf_{type_name.lower()}_a8_noamx"] = _without_amx(kernel.library, methods[f"gguf_{type_name.lower()}_a8"])
     except KernelUnavailable as exc:
         print(f"# gguf: unavailable ({exc})")
     return methods
+
+
+def _without_amx(library, prepare: Callable) -> Callable:
+    """prepare(weight, bias) -> run(x) with AMX tiles turned off for the call (same bits, VNNI speed)."""
+
+    def prepare_without(weight, bias):
+        run = prepare(weight, bias)
+
+        def run_without(x):
+            library.set_amx(False)
+            try:
+                return run(x)
+            finally:
+                library.set_amx(True)
+
+        return run_without
+
+    return prepare_without
 
 
 def _gguf_blocks(type_name: str, kernel, activations: str = "fp32") -> Callable:

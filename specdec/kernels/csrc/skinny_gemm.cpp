@@ -1249,6 +1249,48 @@ struct AmxJob {
   int mp;
 };
 
+// The K-quant scales of one super-block of 16 weight rows as 16-lane vectors over the rows (lane r
+// = row r; rows past N are masked to zero): gathered and decoded for all rows at once, the same
+// integers and fp16 values as Fmt::prepare_a8 gives per row.
+struct AmxScales {
+  __m512i sc[16];        // sub-block scales (Q4_K / Q5_K: 8 per 32 weights; Q6_K: 16 per 16)
+  __m512i min_pairs[4];  // Q4_K / Q5_K: the 6-bit mins of sub-blocks 2p, 2p + 1 as an int16 pair
+  __m512 d, dmin;
+};
+inline __m512i gather_rows(const uint8_t* base, __m512i offsets, __mmask16 rows) {  // 4 bytes per row
+  return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows, offsets, base, 1);
+}
+inline __m512 fp16_lanes(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }  // the low 16 bits of each lane
+template <typename Fmt>
+void amx_scales(const uint8_t* block, __m512i offsets, __mmask16 rows, AmxScales& s) {
+  if constexpr (Fmt::kA8ScalePer16) {  // Q6_K: int8 scales[16] at 192, d at 208
+    for (int i = 0; i < 4; ++i) {
+      const __m512i bytes = gather_rows(block + 192 + 4 * i, offsets, rows);
+      for (int j = 0; j < 4; ++j) s.sc[4 * i + j] = _mm512_srai_epi32(_mm512_sll_epi32(bytes, _mm_cvtsi32_si128(24 - 8 * j)), 24);
+    }
+    s.d = fp16_lanes(_mm512_srli_epi32(gather_rows(block + 206, offsets, rows), 16));  // bytes 208, 209 (none past the block)
+  } else {  // Q4_K / Q5_K: d, dmin at 0, 2; 6-bit scales and mins in bytes 4-15 (k_quant_6bit_bytes, per lane)
+    const __m512i d_dmin = gather_rows(block, offsets, rows);
+    const __m512i lo = gather_rows(block + 4, offsets, rows), mid = gather_rows(block + 8, offsets, rows),
+                  hi = gather_rows(block + 12, offsets, rows);
+    const __m512i six = _mm512_set1_epi32(0x3f3f3f3f), four = _mm512_set1_epi32(0x0f0f0f0f), top = _mm512_set1_epi32(0x30303030);
+    const __m512i sc[2] = {_mm512_and_si512(lo, six), _mm512_or_si512(_mm512_and_si512(hi, four), _mm512_and_si512(_mm512_srli_epi32(lo, 2), top))};
+    const __m512i m[2] = {_mm512_and_si512(mid, six),
+                          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(hi, 4), four), _mm512_and_si512(_mm512_srli_epi32(mid, 2), top))};
+    for (int sub = 0; sub < 8; ++sub)
+      s.sc[sub] = _mm512_and_si512(_mm512_srl_epi32(sc[sub / 4], _mm_cvtsi32_si128(8 * (sub % 4))), _mm512_set1_epi32(0xff));
+    // bytes 0, 1 -> int16 pair 0; bytes 2, 3 -> pair 1 (per 32-bit lane)
+    const __m512i pair_low = _mm512_set4_epi32((int)0x800d800c, (int)0x80098008, (int)0x80058004, (int)0x80018000);
+    const __m512i pair_high = _mm512_set4_epi32((int)0x800f800e, (int)0x800b800a, (int)0x80078006, (int)0x80038002);
+    for (int half = 0; half < 2; ++half) {
+      s.min_pairs[2 * half] = _mm512_shuffle_epi8(m[half], pair_low);
+      s.min_pairs[2 * half + 1] = _mm512_shuffle_epi8(m[half], pair_high);
+    }
+    s.d = fp16_lanes(d_dmin);
+    s.dmin = fp16_lanes(_mm512_srli_epi32(d_dmin, 16));
+  }
+}
+
 // Output columns [16 tile_begin, 16 tile_end) for every row. kMp: activation rows per B tile.
 template <typename Fmt, int kMp>
 void amx_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
@@ -1258,92 +1300,83 @@ void amx_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
   const int64_t K = job.K, supers = K / 256;
   AmxTileConfig config{};
   config.palette = 1;
-  config.rows[0] = kAmxTileRows, config.colsb[0] = kSub;             // tmm0: A, the weights
-  config.rows[1] = kSub / 4, config.colsb[1] = kMp * 4;              // tmm1: B, the activations
-  config.rows[2] = kAmxTileRows, config.colsb[2] = kMp * 4;          // tmm2: C, [weight row][activation row]
+  for (int i = 0; i < 2; ++i) config.rows[i] = kAmxTileRows, config.colsb[i] = kSub;          // tmm0, 1: A, the weights
+  for (int i = 2; i < 4; ++i) config.rows[i] = kSub / 4, config.colsb[i] = kMp * 4;           // tmm2, 3: B, the activations
+  for (int i = 4; i < 8; ++i) config.rows[i] = kAmxTileRows, config.colsb[i] = kMp * 4;       // tmm4-7: C, [weight row][activation row]
   _tile_loadconfig(&config);
-  // decoded K-chunk of the tile's 16 rows, the scales transposed to one 16-lane vector per sub-block
-  alignas(64) int8_t quants[kAmxTileRows][kAmxKChunk];
-  alignas(64) int32_t scales[kSupers][kSubs][16];
-  alignas(64) int32_t min_pairs[kSupers][4][16];
-  alignas(64) float d_w[kSupers][16], dmin_w[kSupers][16];
-  alignas(64) int32_t products[kAmxTileRows * kMp];
+  alignas(64) int8_t quants[kAmxTileRows][kAmxKChunk];  // the tile's 16 rows, decoded K-chunk
+  alignas(64) AmxScales scales[kSupers];
+  alignas(64) int32_t products[kSubs][kAmxTileRows * kMp];  // one super-block's sub-block products
   std::vector<float> acc_buffer((size_t)(act.blocks * kAmxTileRows * kMp));  // per block: [16 columns][kMp rows]
   // lane l of vector j (of kMp) is output (column (16 j + l) / kMp, row l % kMp)
   __m512i column_of[kMp];
   for (int j = 0; j < kMp; ++j)
     column_of[j] = _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(16 * j), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
                                      kMp == 16 ? 4 : kMp == 8 ? 3 : 2);
+  const __m512i row_offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                 _mm512_set1_epi32((int)job.row_bytes));
   for (int64_t t = tile_begin; t < tile_end; ++t) {
     const int64_t n0 = t * kAmxTileRows;
     const int nr = (int)std::min<int64_t>(kAmxTileRows, job.N - n0);
+    const __mmask16 live = (__mmask16)((1u << nr) - 1u);
     std::fill(acc_buffer.begin(), acc_buffer.end(), 0.0f);
     for (int64_t k0 = 0; k0 < K; k0 += kAmxKChunk) {
       const int64_t chunk_supers = std::min<int64_t>(kSupers, (K - k0) / 256);
-      for (int r = 0; r < kAmxTileRows; ++r)
-        for (int64_t sb = 0; sb < chunk_supers; ++sb) {
-          if (r >= nr) {  // past N: zero weights and scales (outputs dropped)
+      for (int64_t sb = 0; sb < chunk_supers; ++sb) {
+        const uint8_t* first = job.w + n0 * job.row_bytes + (k0 / 256 + sb) * Fmt::kBytes;
+        amx_scales<Fmt>(first, row_offsets, live, scales[sb]);
+        for (int r = 0; r < kAmxTileRows; ++r) {
+          if (r >= nr) {  // past N: zero weights (outputs dropped)
             std::memset(quants[r] + 256 * sb, 0, 256);
-            for (int sub = 0; sub < kSubs; ++sub) scales[sb][sub][r] = 0;
-            for (int p = 0; p < 4; ++p) min_pairs[sb][p][r] = 0;
-            d_w[sb][r] = dmin_w[sb][r] = 0.0f;
             continue;
           }
-          const uint8_t* block = job.w + (n0 + r) * job.row_bytes + (k0 / 256 + sb) * Fmt::kBytes;
-          typename Fmt::A8Scales s;
-          Fmt::prepare_a8(block, s);
 #pragma GCC unroll 4
           for (int pair = 0; pair < 4; ++pair)
             _mm512_store_si512((void*)(quants[r] + 256 * sb + 64 * pair),
-                               _mm512_sub_epi8(Fmt::quants64(block, pair), _mm512_set1_epi8((char)Fmt::kZmmOffset)));
-          for (int sub = 0; sub < kSubs; ++sub) scales[sb][sub][r] = s.sc[sub];
-          d_w[sb][r] = s.d;
-          if constexpr (Fmt::kHasMin) {
-            dmin_w[sb][r] = s.dmin;
-            for (int p = 0; p < 4; ++p) std::memcpy(&min_pairs[sb][p][r], s.m + 2 * p, 4);
-          }
+                               _mm512_sub_epi8(Fmt::quants64(first + r * job.row_bytes, pair), _mm512_set1_epi8((char)Fmt::kZmmOffset)));
         }
+      }
+      asm volatile("" ::: "memory");  // the tile loads (asm without a memory operand) read the stores above
       for (int64_t b = 0; b < act.blocks; ++b) {
         float* acc = acc_buffer.data() + b * kAmxTileRows * kMp;
         for (int64_t sb = 0; sb < chunk_supers; ++sb) {
           const int64_t super = k0 / 256 + sb;
+          const int32_t* x_tile = act.vnni.data() + (b * (K / 4) + super * 64) * kMp;
+          const int8_t* w_tile = quants[0] + 256 * sb;
+          constexpr int64_t kLdb = kMp * 4, kStepB = kSub / 4 * kMp;
+          // four sub-blocks in flight (C tiles 4-7, A and B alternating between two tiles each)
+          for (int sub = 0; sub < kSubs; sub += 4) {
+            _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+            _tile_loadd(0, w_tile + kSub * sub, kAmxKChunk); _tile_loadd(2, x_tile + kStepB * sub, kLdb); _tile_dpbssd(4, 0, 2);
+            _tile_loadd(1, w_tile + kSub * (sub + 1), kAmxKChunk); _tile_loadd(3, x_tile + kStepB * (sub + 1), kLdb); _tile_dpbssd(5, 1, 3);
+            _tile_loadd(0, w_tile + kSub * (sub + 2), kAmxKChunk); _tile_loadd(2, x_tile + kStepB * (sub + 2), kLdb); _tile_dpbssd(6, 0, 2);
+            _tile_loadd(1, w_tile + kSub * (sub + 3), kAmxKChunk); _tile_loadd(3, x_tile + kStepB * (sub + 3), kLdb); _tile_dpbssd(7, 1, 3);
+            _tile_stored(4, products[sub], kLdb); _tile_stored(5, products[sub + 1], kLdb);
+            _tile_stored(6, products[sub + 2], kLdb); _tile_stored(7, products[sub + 3], kLdb);
+          }
+          const AmxScales& s = scales[sb];
           __m512i total[kMp];
 #pragma GCC unroll 16
-          for (int j = 0; j < kMp; ++j) total[j] = _mm512_setzero_si512();
-          const int32_t* x_tile = act.vnni.data() + (b * (K / 4) + super * 64) * kMp;
-#pragma GCC unroll 2
-          for (int sub = 0; sub < kSubs; ++sub) {
-            _tile_zero(2);
-            _tile_loadd(0, quants[0] + 256 * sb + kSub * sub, kAmxKChunk);
-            _tile_loadd(1, x_tile + (kSub / 4) * sub * kMp, kMp * 4);
-            _tile_dpbssd(2, 0, 1);
-            _tile_stored(2, products, kMp * 4);
-            const __m512i sc = _mm512_load_si512((const void*)scales[sb][sub]);
+          for (int j = 0; j < kMp; ++j) {
+            total[j] = _mm512_setzero_si512();
 #pragma GCC unroll 16
-            for (int j = 0; j < kMp; ++j) {
-              const __m512i scale = kMp == 16 ? _mm512_set1_epi32(scales[sb][sub][j]) : _mm512_permutexvar_epi32(column_of[j], sc);
-              total[j] = _mm512_add_epi32(total[j], _mm512_mullo_epi32(_mm512_load_si512((const void*)(products + 16 * j)), scale));
-            }
+            for (int sub = 0; sub < kSubs; ++sub)
+              total[j] = _mm512_add_epi32(total[j], _mm512_mullo_epi32(_mm512_load_si512((const void*)(products[sub] + 16 * j)),
+                                                                       _mm512_permutexvar_epi32(column_of[j], s.sc[sub])));
           }
           const __m512 dx = _mm512_loadu_ps(act.dx.data() + (b * supers + super) * 16);
-          const __m512 dw = _mm512_load_ps(d_w[sb]);
-          [[maybe_unused]] __m512 dmin;
-          [[maybe_unused]] __m512i bsum_pairs[4], m_pairs[4];
-          if constexpr (Fmt::kHasMin) {
-            dmin = _mm512_load_ps(dmin_w[sb]);
-            for (int p = 0; p < 4; ++p) {
+          [[maybe_unused]] __m512i bsum_pairs[4];
+          if constexpr (Fmt::kHasMin)
+            for (int p = 0; p < 4; ++p)
               bsum_pairs[p] = _mm512_loadu_si512((const void*)(act.bsum_pairs.data() + ((b * supers + super) * 4 + p) * 16));
-              m_pairs[p] = _mm512_load_si512((const void*)min_pairs[sb][p]);
-            }
-          }
 #pragma GCC unroll 16
           for (int j = 0; j < kMp; ++j) {
-            __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[j]), _mm512_mul_ps(_mm512_permutexvar_ps(column_of[j], dw), dx),
+            __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[j]), _mm512_mul_ps(_mm512_permutexvar_ps(column_of[j], s.d), dx),
                                          _mm512_loadu_ps(acc + 16 * j));
             if constexpr (Fmt::kHasMin) {
               __m512i mins = _mm512_setzero_si512();
-              for (int p = 0; p < 4; ++p) mins = _mm512_dpwssd_epi32(mins, _mm512_permutexvar_epi32(column_of[j], m_pairs[p]), bsum_pairs[p]);
-              sum = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(_mm512_permutexvar_ps(column_of[j], dmin), dx), sum);
+              for (int p = 0; p < 4; ++p) mins = _mm512_dpwssd_epi32(mins, _mm512_permutexvar_epi32(column_of[j], s.min_pairs[p]), bsum_pairs[p]);
+              sum = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(_mm512_permutexvar_ps(column_of[j], s.dmin), dx), sum);
             }
             _mm512_storeu_ps(acc + 16 * j, sum);
           }
