@@ -1204,7 +1204,7 @@ void run_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
 #define SG_AMX 1
 constexpr int kAmxTileRows = 16;      // weight rows per tile = output columns per tile
 constexpr int kAmxBlockRows = 16;     // activation rows per B tile
-constexpr int64_t kAmxKChunk = 1024;  // weights per row decoded at a time: 16 rows x 1 KiB in L1
+constexpr int64_t kAmxKChunk = 512;  // weights per row decoded at a time (two buffers: 16 rows x 1 KiB in L1)
 
 struct alignas(64) AmxTileConfig {  // LDTILECFG's 64-byte layout (palette 1)
   uint8_t palette, start_row, reserved[14];
@@ -1292,20 +1292,24 @@ void amx_scales(const uint8_t* block, __m512i offsets, __mmask16 rows, AmxScales
 }
 
 // Output columns [16 tile_begin, 16 tile_end) for every row. kMp: activation rows per B tile.
+// Steps = (tile, K-chunk) in order; the weights of step s + 1 are decoded (into the other of two
+// buffers) before the tiles of step s run, so the tile loads never wait for just-stored bytes,
+// and the blocks of step s + 2 are prefetched.
 template <typename Fmt, int kMp>
 void amx_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
   constexpr int kSub = Fmt::kA8ScalePer16 ? 16 : 32, kSubs = 256 / kSub;
   constexpr int64_t kSupers = kAmxKChunk / 256;
   const AmxActivations& act = *((const AmxJob*)job.ctx)->act;
-  const int64_t K = job.K, supers = K / 256;
+  const int64_t K = job.K, supers = K / 256, chunks = (K + kAmxKChunk - 1) / kAmxKChunk;
+  const int64_t steps = (tile_end - tile_begin) * chunks;
   AmxTileConfig config{};
   config.palette = 1;
-  for (int i = 0; i < 2; ++i) config.rows[i] = kAmxTileRows, config.colsb[i] = kSub;          // tmm0, 1: A, the weights
-  for (int i = 2; i < 4; ++i) config.rows[i] = kSub / 4, config.colsb[i] = kMp * 4;           // tmm2, 3: B, the activations
-  for (int i = 4; i < 8; ++i) config.rows[i] = kAmxTileRows, config.colsb[i] = kMp * 4;       // tmm4-7: C, [weight row][activation row]
+  for (int i = 0; i < 2; ++i) config.rows[i] = kAmxTileRows, config.colsb[i] = kSub;     // tmm0, 1: A, the weights
+  for (int i = 2; i < 4; ++i) config.rows[i] = kSub / 4, config.colsb[i] = kMp * 4;      // tmm2, 3: B, the activations
+  for (int i = 4; i < 8; ++i) config.rows[i] = kAmxTileRows, config.colsb[i] = kMp * 4;  // tmm4-7: C, [weight row][activation row]
   _tile_loadconfig(&config);
-  alignas(64) int8_t quants[kAmxTileRows][kAmxKChunk];  // the tile's 16 rows, decoded K-chunk
-  alignas(64) AmxScales scales[kSupers];
+  alignas(64) int8_t quants[2][kAmxTileRows][kAmxKChunk];  // two steps' decoded K-chunks of the tile's 16 rows
+  alignas(64) AmxScales scales[2][kSupers];
   alignas(64) int32_t products[kSubs][kAmxTileRows * kMp];  // one super-block's sub-block products
   std::vector<float> acc_buffer((size_t)(act.blocks * kAmxTileRows * kMp));  // per block: [16 columns][kMp rows]
   // lane l of vector j (of kMp) is output (column (16 j + l) / kMp, row l % kMp)
@@ -1315,81 +1319,101 @@ void amx_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
                                      kMp == 16 ? 4 : kMp == 8 ? 3 : 2);
   const __m512i row_offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                  _mm512_set1_epi32((int)job.row_bytes));
-  for (int64_t t = tile_begin; t < tile_end; ++t) {
-    const int64_t n0 = t * kAmxTileRows;
-    const int nr = (int)std::min<int64_t>(kAmxTileRows, job.N - n0);
-    const __mmask16 live = (__mmask16)((1u << nr) - 1u);
-    std::fill(acc_buffer.begin(), acc_buffer.end(), 0.0f);
-    for (int64_t k0 = 0; k0 < K; k0 += kAmxKChunk) {
-      const int64_t chunk_supers = std::min<int64_t>(kSupers, (K - k0) / 256);
-      for (int64_t sb = 0; sb < chunk_supers; ++sb) {
-        const uint8_t* first = job.w + n0 * job.row_bytes + (k0 / 256 + sb) * Fmt::kBytes;
-        amx_scales<Fmt>(first, row_offsets, live, scales[sb]);
-        for (int r = 0; r < kAmxTileRows; ++r) {
-          if (r >= nr) {  // past N: zero weights (outputs dropped)
-            std::memset(quants[r] + 256 * sb, 0, 256);
-            continue;
-          }
-#pragma GCC unroll 4
-          for (int pair = 0; pair < 4; ++pair)
-            _mm512_store_si512((void*)(quants[r] + 256 * sb + 64 * pair),
-                               _mm512_sub_epi8(Fmt::quants64(first + r * job.row_bytes, pair), _mm512_set1_epi8((char)Fmt::kZmmOffset)));
+  struct Step {
+    int64_t n0, k0, supers;  // first output column, first weight, super-blocks in the chunk
+    int rows;                // weight rows (<= 16; past N: zeros, outputs dropped)
+  };
+  auto step_of = [&](int64_t step) {
+    const int64_t n0 = (tile_begin + step / chunks) * kAmxTileRows, k0 = step % chunks * kAmxKChunk;
+    return Step{n0, k0, std::min<int64_t>(kSupers, (K - k0) / 256), (int)std::min<int64_t>(kAmxTileRows, job.N - n0)};
+  };
+  auto first_block = [&](const Step& st) { return job.w + st.n0 * job.row_bytes + st.k0 / 256 * Fmt::kBytes; };
+  auto decode = [&](int64_t step) {
+    const Step st = step_of(step);
+    for (int64_t sb = 0; sb < st.supers; ++sb) {
+      const uint8_t* first = first_block(st) + sb * Fmt::kBytes;
+      amx_scales<Fmt>(first, row_offsets, (__mmask16)((1u << st.rows) - 1u), scales[step % 2][sb]);
+      for (int r = 0; r < kAmxTileRows; ++r) {
+        int8_t* out = quants[step % 2][r] + 256 * sb;
+        if (r >= st.rows) {
+          std::memset(out, 0, 256);
+          continue;
         }
+#pragma GCC unroll 4
+        for (int pair = 0; pair < 4; ++pair)
+          _mm512_store_si512((void*)(out + 64 * pair),
+                             _mm512_sub_epi8(Fmt::quants64(first + r * job.row_bytes, pair), _mm512_set1_epi8((char)Fmt::kZmmOffset)));
       }
-      asm volatile("" ::: "memory");  // the tile loads (asm without a memory operand) read the stores above
-      for (int64_t b = 0; b < act.blocks; ++b) {
-        float* acc = acc_buffer.data() + b * kAmxTileRows * kMp;
-        for (int64_t sb = 0; sb < chunk_supers; ++sb) {
-          const int64_t super = k0 / 256 + sb;
-          const int32_t* x_tile = act.vnni.data() + (b * (K / 4) + super * 64) * kMp;
-          const int8_t* w_tile = quants[0] + 256 * sb;
-          constexpr int64_t kLdb = kMp * 4, kStepB = kSub / 4 * kMp;
-          // four sub-blocks in flight (C tiles 4-7, A and B alternating between two tiles each)
-          for (int sub = 0; sub < kSubs; sub += 4) {
-            _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
-            _tile_loadd(0, w_tile + kSub * sub, kAmxKChunk); _tile_loadd(2, x_tile + kStepB * sub, kLdb); _tile_dpbssd(4, 0, 2);
-            _tile_loadd(1, w_tile + kSub * (sub + 1), kAmxKChunk); _tile_loadd(3, x_tile + kStepB * (sub + 1), kLdb); _tile_dpbssd(5, 1, 3);
-            _tile_loadd(0, w_tile + kSub * (sub + 2), kAmxKChunk); _tile_loadd(2, x_tile + kStepB * (sub + 2), kLdb); _tile_dpbssd(6, 0, 2);
-            _tile_loadd(1, w_tile + kSub * (sub + 3), kAmxKChunk); _tile_loadd(3, x_tile + kStepB * (sub + 3), kLdb); _tile_dpbssd(7, 1, 3);
-            _tile_stored(4, products[sub], kLdb); _tile_stored(5, products[sub + 1], kLdb);
-            _tile_stored(6, products[sub + 2], kLdb); _tile_stored(7, products[sub + 3], kLdb);
-          }
-          const AmxScales& s = scales[sb];
-          __m512i total[kMp];
+    }
+  };
+  auto prefetch = [&](int64_t step) {
+    if (step >= steps) return;
+    const Step st = step_of(step);
+    for (int r = 0; r < st.rows; ++r)
+      for (int64_t line = 0; line < st.supers * Fmt::kBytes; line += 64)
+        _mm_prefetch((const char*)(first_block(st) + r * job.row_bytes + line), _MM_HINT_T0);
+  };
+  if (steps > 0) decode(0);
+  prefetch(1);
+  for (int64_t step = 0; step < steps; ++step) {
+    if (step + 1 < steps) decode(step + 1);
+    prefetch(step + 2);
+    asm volatile("" ::: "memory");  // the tile loads (asm without a memory operand) read the stores above
+    const Step st = step_of(step);
+    if (st.k0 == 0) std::fill(acc_buffer.begin(), acc_buffer.end(), 0.0f);
+    for (int64_t b = 0; b < act.blocks; ++b) {
+      float* acc = acc_buffer.data() + b * kAmxTileRows * kMp;
+      for (int64_t sb = 0; sb < st.supers; ++sb) {
+        const int64_t super = st.k0 / 256 + sb;
+        const int32_t* x_tile = act.vnni.data() + (b * (K / 4) + super * 64) * kMp;
+        const int8_t* w_tile = quants[step % 2][0] + 256 * sb;
+        constexpr int64_t kLdb = kMp * 4, kStepB = kSub / 4 * kMp;
+        // four sub-blocks in flight (C tiles 4-7, A and B alternating between two tiles each)
+        for (int sub = 0; sub < kSubs; sub += 4) {
+          _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+          _tile_loadd(0, w_tile + kSub * sub, kAmxKChunk); _tile_loadd(2, x_tile + kStepB * sub, kLdb); _tile_dpbssd(4, 0, 2);
+          _tile_loadd(1, w_tile + kSub * (sub + 1), kAmxKChunk); _tile_loadd(3, x_tile + kStepB * (sub + 1), kLdb); _tile_dpbssd(5, 1, 3);
+          _tile_loadd(0, w_tile + kSub * (sub + 2), kAmxKChunk); _tile_loadd(2, x_tile + kStepB * (sub + 2), kLdb); _tile_dpbssd(6, 0, 2);
+          _tile_loadd(1, w_tile + kSub * (sub + 3), kAmxKChunk); _tile_loadd(3, x_tile + kStepB * (sub + 3), kLdb); _tile_dpbssd(7, 1, 3);
+          _tile_stored(4, products[sub], kLdb); _tile_stored(5, products[sub + 1], kLdb);
+          _tile_stored(6, products[sub + 2], kLdb); _tile_stored(7, products[sub + 3], kLdb);
+        }
+        const AmxScales& s = scales[step % 2][sb];
+        __m512i total[kMp];
 #pragma GCC unroll 16
-          for (int j = 0; j < kMp; ++j) {
-            total[j] = _mm512_setzero_si512();
+        for (int j = 0; j < kMp; ++j) {
+          total[j] = _mm512_setzero_si512();
 #pragma GCC unroll 16
-            for (int sub = 0; sub < kSubs; ++sub)
-              total[j] = _mm512_add_epi32(total[j], _mm512_mullo_epi32(_mm512_load_si512((const void*)(products[sub] + 16 * j)),
-                                                                       _mm512_permutexvar_epi32(column_of[j], s.sc[sub])));
-          }
-          const __m512 dx = _mm512_loadu_ps(act.dx.data() + (b * supers + super) * 16);
-          [[maybe_unused]] __m512i bsum_pairs[4];
-          if constexpr (Fmt::kHasMin)
-            for (int p = 0; p < 4; ++p)
-              bsum_pairs[p] = _mm512_loadu_si512((const void*)(act.bsum_pairs.data() + ((b * supers + super) * 4 + p) * 16));
+          for (int sub = 0; sub < kSubs; ++sub)
+            total[j] = _mm512_add_epi32(total[j], _mm512_mullo_epi32(_mm512_load_si512((const void*)(products[sub] + 16 * j)),
+                                                                     _mm512_permutexvar_epi32(column_of[j], s.sc[sub])));
+        }
+        const __m512 dx = _mm512_loadu_ps(act.dx.data() + (b * supers + super) * 16);
+        [[maybe_unused]] __m512i bsum_pairs[4];
+        if constexpr (Fmt::kHasMin)
+          for (int p = 0; p < 4; ++p)
+            bsum_pairs[p] = _mm512_loadu_si512((const void*)(act.bsum_pairs.data() + ((b * supers + super) * 4 + p) * 16));
 #pragma GCC unroll 16
-          for (int j = 0; j < kMp; ++j) {
-            __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[j]), _mm512_mul_ps(_mm512_permutexvar_ps(column_of[j], s.d), dx),
-                                         _mm512_loadu_ps(acc + 16 * j));
-            if constexpr (Fmt::kHasMin) {
-              __m512i mins = _mm512_setzero_si512();
-              for (int p = 0; p < 4; ++p) mins = _mm512_dpwssd_epi32(mins, _mm512_permutexvar_epi32(column_of[j], s.min_pairs[p]), bsum_pairs[p]);
-              sum = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(_mm512_permutexvar_ps(column_of[j], s.dmin), dx), sum);
-            }
-            _mm512_storeu_ps(acc + 16 * j, sum);
+        for (int j = 0; j < kMp; ++j) {
+          __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[j]), _mm512_mul_ps(_mm512_permutexvar_ps(column_of[j], s.d), dx),
+                                       _mm512_loadu_ps(acc + 16 * j));
+          if constexpr (Fmt::kHasMin) {
+            __m512i mins = _mm512_setzero_si512();
+            for (int p = 0; p < 4; ++p) mins = _mm512_dpwssd_epi32(mins, _mm512_permutexvar_epi32(column_of[j], s.min_pairs[p]), bsum_pairs[p]);
+            sum = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(_mm512_permutexvar_ps(column_of[j], s.dmin), dx), sum);
           }
+          _mm512_storeu_ps(acc + 16 * j, sum);
         }
       }
     }
-    for (int64_t b = 0; b < act.blocks; ++b) {
+    if (st.k0 + kAmxKChunk < K) continue;
+    for (int64_t b = 0; b < act.blocks; ++b) {  // the tile's last K-chunk: write its outputs
       const float* acc = acc_buffer.data() + b * kAmxTileRows * kMp;
       for (int m = 0; m < kMp && b * kAmxBlockRows + m < job.M; ++m) {
-        float* y = job.y + (b * kAmxBlockRows + m) * job.N + n0;
-        for (int c = 0; c < nr; ++c) {
+        float* y = job.y + (b * kAmxBlockRows + m) * job.N + st.n0;
+        for (int c = 0; c < st.rows; ++c) {
           float value = acc[c * kMp + m];
-          if (job.bias) value += job.bias[n0 + c];
+          if (job.bias) value += job.bias[st.n0 + c];
           y[c] = value;
         }
       }
