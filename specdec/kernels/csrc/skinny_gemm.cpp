@@ -1215,17 +1215,22 @@ struct alignas(64) AmxTileConfig {  // LDTILECFG's 64-byte layout (palette 1)
 // One call's activation rows, per block of kAmxBlockRows rows, in the lanes the tile code reads:
 // mp = 4, 8 or 16 rows per block (the next of those >= M, 16 past it); lane l of a 16-lane vector
 // belongs to row l % mp of the block (rows past M are zero and their outputs are dropped).
+// B tiles: `group` sub-blocks of `sub` weights share one tile product (K = group * sub <= 64), each
+// in its own mp columns: column g * mp + m holds row m's bytes of sub-block g of the group and zeros
+// elsewhere, so one product gives each sub-block's dot products separately ([16][group * mp] int32).
 struct AmxActivations {
   int64_t blocks;
-  std::vector<int32_t> vnni;        // [blocks][K / 4][mp]: 4 bytes of row m at k = 4 i .. 4 i + 3
+  int width;                        // group * mp: int32 columns of a B / C tile
+  std::vector<int32_t> vnni;        // [blocks][K / 4][width]: 4 bytes of row m at k = 4 i .. 4 i + 3
   std::vector<float> dx;            // [blocks][K / 256][16]: the rows' activation scales
   std::vector<int32_t> bsum_pairs;  // [blocks][K / 256][4][16]: the int16 bsum pair (2p, 2p + 1)
 };
 
-void prepare_amx_activations(const uint8_t* xq, int64_t M, int64_t K, int mp, AmxActivations& act) {
+void prepare_amx_activations(const uint8_t* xq, int64_t M, int64_t K, int mp, int group, int sub, AmxActivations& act) {
   const int64_t ldxq = a8_row_bytes(K), supers = K / 256;
   act.blocks = (M + kAmxBlockRows - 1) / kAmxBlockRows;
-  act.vnni.assign((size_t)(act.blocks * (K / 4) * mp), 0);
+  act.width = group * mp;
+  act.vnni.assign((size_t)(act.blocks * (K / 4) * act.width), 0);
   act.dx.assign((size_t)(act.blocks * supers * 16), 0.0f);
   act.bsum_pairs.assign((size_t)(act.blocks * supers * 4 * 16), 0);
   for (int64_t b = 0; b < act.blocks; ++b)
@@ -1233,8 +1238,8 @@ void prepare_amx_activations(const uint8_t* xq, int64_t M, int64_t K, int mp, Am
       const int64_t row = b * kAmxBlockRows + m;
       if (row >= M) break;
       const A8Row x(xq + row * ldxq, K);
-      int32_t* vnni = act.vnni.data() + b * (K / 4) * mp + m;
-      for (int64_t i = 0; i < K / 4; ++i) std::memcpy(vnni + i * mp, x.q + 4 * i, 4);
+      int32_t* vnni = act.vnni.data() + b * (K / 4) * act.width + m;
+      for (int64_t i = 0; i < K / 4; ++i) std::memcpy(vnni + i * act.width + (i / (sub / 4)) % group * mp, x.q + 4 * i, 4);
       for (int64_t sb = 0; sb < supers; ++sb)
         for (int lane = m; lane < 16; lane += mp) {
           act.dx[(size_t)((b * supers + sb) * 16 + lane)] = x.d[sb];
@@ -1243,6 +1248,10 @@ void prepare_amx_activations(const uint8_t* xq, int64_t M, int64_t K, int mp, Am
         }
     }
 }
+
+// Sub-blocks per tile product for a format's sub-block size and mp rows: as many as fit 16 int32
+// columns and 64 bytes of K.
+constexpr int amx_group(int sub, int mp) { return std::min(16 / mp, 64 / sub); }
 
 struct AmxJob {
   const AmxActivations* act;
@@ -1298,25 +1307,46 @@ void amx_scales(const uint8_t* block, __m512i offsets, __mmask16 rows, AmxScales
 template <typename Fmt, int kMp>
 void amx_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
   constexpr int kSub = Fmt::kA8ScalePer16 ? 16 : 32, kSubs = 256 / kSub;
+  constexpr int kGroup = amx_group(kSub, kMp), kGroups = kSubs / kGroup, kWidth = kGroup * kMp, kK = kGroup * kSub;
+  static_assert(kGroups % 4 == 0, "groups of sub-blocks run four at a time");
   constexpr int64_t kSupers = kAmxKChunk / 256;
   const AmxActivations& act = *((const AmxJob*)job.ctx)->act;
   const int64_t K = job.K, supers = K / 256, chunks = (K + kAmxKChunk - 1) / kAmxKChunk;
   const int64_t steps = (tile_end - tile_begin) * chunks;
   AmxTileConfig config{};
   config.palette = 1;
-  for (int i = 0; i < 2; ++i) config.rows[i] = kAmxTileRows, config.colsb[i] = kSub;     // tmm0, 1: A, the weights
-  for (int i = 2; i < 4; ++i) config.rows[i] = kSub / 4, config.colsb[i] = kMp * 4;      // tmm2, 3: B, the activations
-  for (int i = 4; i < 8; ++i) config.rows[i] = kAmxTileRows, config.colsb[i] = kMp * 4;  // tmm4-7: C, [weight row][activation row]
+  for (int i = 0; i < 2; ++i) config.rows[i] = kAmxTileRows, config.colsb[i] = kK;          // tmm0, 1: A, the weights
+  for (int i = 2; i < 4; ++i) config.rows[i] = kK / 4, config.colsb[i] = kWidth * 4;         // tmm2, 3: B, the activations
+  for (int i = 4; i < 8; ++i) config.rows[i] = kAmxTileRows, config.colsb[i] = kWidth * 4;   // tmm4-7: C, [weight row][sub-block, activation row]
   _tile_loadconfig(&config);
   alignas(64) int8_t quants[2][kAmxTileRows][kAmxKChunk];  // two steps' decoded K-chunks of the tile's 16 rows
   alignas(64) AmxScales scales[2][kSupers];
-  alignas(64) int32_t products[kSubs][kAmxTileRows * kMp];  // one super-block's sub-block products
+  alignas(64) int32_t products[kGroups][kAmxTileRows * kWidth];  // one super-block's sub-block products
   std::vector<float> acc_buffer((size_t)(act.blocks * kAmxTileRows * kMp));  // per block: [16 columns][kMp rows]
   // lane l of vector j (of kMp) is output (column (16 j + l) / kMp, row l % kMp)
   __m512i column_of[kMp];
   for (int j = 0; j < kMp; ++j)
     column_of[j] = _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(16 * j), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
                                      kMp == 16 ? 4 : kMp == 8 ? 3 : 2);
+  // Scales of group q in the lanes of product vector j (lane l: column (16 j + l) / kWidth, sub-block
+  // q kGroup + l % kWidth / kMp): lane indices into the sub-blocks' 16-lane vectors (16 +: the second)
+  __m512i pick[kWidth];
+  for (int j = 0; j < kWidth; ++j) {
+    alignas(64) int32_t lanes[16];
+    for (int l = 0; l < 16; ++l) lanes[l] = (16 * j + l) / kWidth + 16 * (l % kWidth / kMp % 2);
+    pick[j] = _mm512_load_si512((const void*)lanes);
+  }
+  auto group_scales = [&](const AmxScales& sc, int q, int j) {
+    if constexpr (kGroup == 1) {
+      return _mm512_set1_epi32(((const int32_t*)&sc.sc[q])[j]);
+    } else if constexpr (kGroup == 2) {
+      return _mm512_permutex2var_epi32(sc.sc[2 * q], pick[j], sc.sc[2 * q + 1]);
+    } else {  // 4 (Q6_K, 4 rows): lanes 0-7 from sub-blocks 4q, 4q + 1, lanes 8-15 from 4q + 2, 4q + 3
+      const __m512i low = _mm512_permutex2var_epi32(sc.sc[4 * q], pick[j], sc.sc[4 * q + 1]);
+      const __m512i high = _mm512_permutex2var_epi32(sc.sc[4 * q + 2], pick[j], sc.sc[4 * q + 3]);
+      return _mm512_mask_blend_epi32((__mmask16)0xff00, low, high);
+    }
+  };
   const __m512i row_offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                  _mm512_set1_epi32((int)job.row_bytes));
   struct Step {
@@ -1351,10 +1381,10 @@ void amx_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
     const Step st = step_of(step);
     for (int r = 0; r < st.rows; ++r)
       for (int64_t line = 0; line < st.supers * Fmt::kBytes; line += 64)
-        _mm_prefetch((const char*)(first_block(st) + r * job.row_bytes + line), _MM_HINT_T0);
+        _mm_prefetch((const char*)(first_block(st) + r * job.row_bytes + line), _MM_HINT_NTA);
   };
   if (steps > 0) decode(0);
-  prefetch(1);
+  for (int64_t s = 1; s < 2; ++s) prefetch(s);
   for (int64_t step = 0; step < steps; ++step) {
     if (step + 1 < steps) decode(step + 1);
     prefetch(step + 2);
@@ -1365,28 +1395,50 @@ void amx_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
       float* acc = acc_buffer.data() + b * kAmxTileRows * kMp;
       for (int64_t sb = 0; sb < st.supers; ++sb) {
         const int64_t super = st.k0 / 256 + sb;
-        const int32_t* x_tile = act.vnni.data() + (b * (K / 4) + super * 64) * kMp;
+        const int32_t* x_tile = act.vnni.data() + (b * (K / 4) + super * 64) * kWidth;
         const int8_t* w_tile = quants[step % 2][0] + 256 * sb;
-        constexpr int64_t kLdb = kMp * 4, kStepB = kSub / 4 * kMp;
-        // four sub-blocks in flight (C tiles 4-7, A and B alternating between two tiles each)
-        for (int sub = 0; sub < kSubs; sub += 4) {
+        constexpr int64_t kLdb = kWidth * 4, kStepB = kK / 4 * kWidth;
+        // four groups in flight (C tiles 4-7, A and B alternating between two tiles each)
+        for (int q = 0; q < kGroups; q += 4) {
           _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
-          _tile_loadd(0, w_tile + kSub * sub, kAmxKChunk); _tile_loadd(2, x_tile + kStepB * sub, kLdb); _tile_dpbssd(4, 0, 2);
-          _tile_loadd(1, w_tile + kSub * (sub + 1), kAmxKChunk); _tile_loadd(3, x_tile + kStepB * (sub + 1), kLdb); _tile_dpbssd(5, 1, 3);
-          _tile_loadd(0, w_tile + kSub * (sub + 2), kAmxKChunk); _tile_loadd(2, x_tile + kStepB * (sub + 2), kLdb); _tile_dpbssd(6, 0, 2);
-          _tile_loadd(1, w_tile + kSub * (sub + 3), kAmxKChunk); _tile_loadd(3, x_tile + kStepB * (sub + 3), kLdb); _tile_dpbssd(7, 1, 3);
-          _tile_stored(4, products[sub], kLdb); _tile_stored(5, products[sub + 1], kLdb);
-          _tile_stored(6, products[sub + 2], kLdb); _tile_stored(7, products[sub + 3], kLdb);
+          _tile_loadd(0, w_tile + kK * q, kAmxKChunk); _tile_loadd(2, x_tile + kStepB * q, kLdb); _tile_dpbssd(4, 0, 2);
+          _tile_loadd(1, w_tile + kK * (q + 1), kAmxKChunk); _tile_loadd(3, x_tile + kStepB * (q + 1), kLdb); _tile_dpbssd(5, 1, 3);
+          _tile_loadd(0, w_tile + kK * (q + 2), kAmxKChunk); _tile_loadd(2, x_tile + kStepB * (q + 2), kLdb); _tile_dpbssd(6, 0, 2);
+          _tile_loadd(1, w_tile + kK * (q + 3), kAmxKChunk); _tile_loadd(3, x_tile + kStepB * (q + 3), kLdb); _tile_dpbssd(7, 1, 3);
+          _tile_stored(4, products[q], kLdb); _tile_stored(5, products[q + 1], kLdb);
+          _tile_stored(6, products[q + 2], kLdb); _tile_stored(7, products[q + 3], kLdb);
         }
         const AmxScales& s = scales[step % 2][sb];
+        __m512i lanes[kWidth];  // scale * product summed over the groups, lanes as in `products`
+#pragma GCC unroll 16
+        for (int j = 0; j < kWidth; ++j) {
+          lanes[j] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+          for (int q = 0; q < kGroups; ++q)
+            lanes[j] = _mm512_add_epi32(lanes[j], _mm512_mullo_epi32(_mm512_load_si512((const void*)(products[q] + 16 * j)), group_scales(s, q, j)));
+        }
+        // -> one total per output, lanes as column_of: add the group's sub-blocks (128-bit blocks of mp = 4
+        // rows, or 256-bit halves of 8)
         __m512i total[kMp];
+        if constexpr (kGroup == 1) {
 #pragma GCC unroll 16
-        for (int j = 0; j < kMp; ++j) {
-          total[j] = _mm512_setzero_si512();
-#pragma GCC unroll 16
-          for (int sub = 0; sub < kSubs; ++sub)
-            total[j] = _mm512_add_epi32(total[j], _mm512_mullo_epi32(_mm512_load_si512((const void*)(products[sub] + 16 * j)),
-                                                                     _mm512_permutexvar_epi32(column_of[j], s.sc[sub])));
+          for (int j = 0; j < kMp; ++j) total[j] = lanes[j];
+        } else if constexpr (kMp == 8) {  // lanes[j]: column j, halves = sub-blocks
+#pragma GCC unroll 8
+          for (int i = 0; i < 8; ++i)
+            total[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(lanes[2 * i], lanes[2 * i + 1], 0x44), _mm512_shuffle_i64x2(lanes[2 * i], lanes[2 * i + 1], 0xee));
+        } else if constexpr (kGroup == 2) {  // mp 4: lanes[j]: columns 2j, 2j + 1, blocks (column, sub-block)
+#pragma GCC unroll 4
+          for (int i = 0; i < 4; ++i)
+            total[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(lanes[2 * i], lanes[2 * i + 1], 0x88), _mm512_shuffle_i32x4(lanes[2 * i], lanes[2 * i + 1], 0xdd));
+        } else {  // mp 4, 4 sub-blocks: lanes[j]: column j, blocks = sub-blocks
+#pragma GCC unroll 4
+          for (int i = 0; i < 4; ++i) {
+            const __m512i* v = lanes + 4 * i;
+            const __m512i s01 = _mm512_add_epi32(_mm512_shuffle_i32x4(v[0], v[1], 0x88), _mm512_shuffle_i32x4(v[0], v[1], 0xdd));
+            const __m512i s23 = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2], v[3], 0x88), _mm512_shuffle_i32x4(v[2], v[3], 0xdd));
+            total[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(s01, s23, 0x88), _mm512_shuffle_i32x4(s01, s23, 0xdd));
+          }
         }
         const __m512 dx = _mm512_loadu_ps(act.dx.data() + (b * supers + super) * 16);
         [[maybe_unused]] __m512i bsum_pairs[4];
@@ -1888,9 +1940,9 @@ int sg_linear_gguf_a8(const float* x, int64_t M, int64_t K, const uint8_t* w, in
   job.xq = xq.data();
 #ifdef SG_AMX
   if (g_amx_on.load() && f->run_tiles_amx[0] && M >= kAmxMinRows) {
-    const int mp = M <= 4 ? 4 : M <= 8 ? 8 : 16;
+    const int mp = M <= 4 ? 4 : M <= 8 ? 8 : 16, sub = ggml_type == 14 ? 16 : 32;  // Q6_K: a scale per 16
     AmxActivations act;
-    prepare_amx_activations(xq.data(), M, K, mp, act);
+    prepare_amx_activations(xq.data(), M, K, mp, amx_group(sub, mp), sub, act);
     const AmxJob amx{&act, mp};
     job.ctx = &amx;
     job.run_tiles = f->run_tiles_amx[mp == 4 ? 0 : mp == 8 ? 1 : 2];
