@@ -1339,13 +1339,15 @@ void amx_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
   auto group_scales = [&](const AmxScales& sc, int q, int j) {
     if constexpr (kGroup == 1) {
       return _mm512_set1_epi32(((const int32_t*)&sc.sc[q])[j]);
-    } else if constexpr (kGroup == 2) {
+    } else {
       return _mm512_permutex2var_epi32(sc.sc[2 * q], pick[j], sc.sc[2 * q + 1]);
-    } else {  // 4 (Q6_K, 4 rows): lanes 0-7 from sub-blocks 4q, 4q + 1, lanes 8-15 from 4q + 2, 4q + 3
-      const __m512i low = _mm512_permutex2var_epi32(sc.sc[4 * q], pick[j], sc.sc[4 * q + 1]);
-      const __m512i high = _mm512_permutex2var_epi32(sc.sc[4 * q + 2], pick[j], sc.sc[4 * q + 3]);
-      return _mm512_mask_blend_epi32((__mmask16)0xff00, low, high);
     }
+  };
+  // 4 sub-blocks per product (Q6_K, 4 rows): column j's 16 scales as one vector (lane = sub-block)
+  // from its block, then group q's lanes (sub-block 4q + l / 4) by one permute
+  auto row_scales = [&](const uint8_t* block) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(block + 192))); };
+  auto group_of_row = [](__m512i row, int q) {
+    return _mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_set1_epi32(4 * q), _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2)), row);
   };
   const __m512i row_offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                  _mm512_set1_epi32((int)job.row_bytes));
@@ -1413,9 +1415,15 @@ void amx_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
 #pragma GCC unroll 16
         for (int j = 0; j < kWidth; ++j) {
           lanes[j] = _mm512_setzero_si512();
+          [[maybe_unused]] __m512i row;
+          if constexpr (kGroup == 4) row = j < st.rows ? row_scales(first_block(st) + sb * Fmt::kBytes + j * job.row_bytes) : _mm512_setzero_si512();
 #pragma GCC unroll 16
-          for (int q = 0; q < kGroups; ++q)
-            lanes[j] = _mm512_add_epi32(lanes[j], _mm512_mullo_epi32(_mm512_load_si512((const void*)(products[q] + 16 * j)), group_scales(s, q, j)));
+          for (int q = 0; q < kGroups; ++q) {
+            __m512i scale;
+            if constexpr (kGroup == 4) scale = group_of_row(row, q);
+            else scale = group_scales(s, q, j);
+            lanes[j] = _mm512_add_epi32(lanes[j], _mm512_mullo_epi32(_mm512_load_si512((const void*)(products[q] + 16 * j)), scale));
+          }
         }
         // -> one total per output, lanes as column_of: add the group's sub-blocks (128-bit blocks of mp = 4
         // rows, or 256-bit halves of 8)
@@ -1482,10 +1490,12 @@ constexpr std::array<void (*)(const LinearJob&, int64_t, int64_t), 3> amx_tile_r
 #endif
 
 // AMX on when the build has it, the CPU has it, the kernel asked Linux for the tile state and got
-// it, and the caller wants it (sg_set_amx); from kAmxMinRows activation rows (a decode step's one
-// row stays on the VNNI tile: a 16-row tile for one row would waste the setup).
+// it, and the caller wants it (sg_set_amx); from amx_min_rows activation rows (below, the decode
+// of 16 weight rows per tile costs more than the tile products save; a decode step stays on VNNI).
+// Measured (one core, 8960 x 1536, min of 20): Q4_K 3 rows 0.56 ms on AMX vs 0.65 on VNNI (2 rows
+// 0.56 vs 0.53); Q6_K, with twice the sub-blocks, 5 rows 1.15 vs 1.19 (4 rows 1.00 vs 0.81).
 std::atomic<int> g_amx_on{0};
-constexpr int64_t kAmxMinRows = 2;
+inline int64_t amx_min_rows(int ggml_type) { return ggml_type == 14 ? 5 : 3; }
 
 // Rows of a block-format weight written out as fp32 (an embedding lookup), with the same
 // per-weight expressions as the linear.
@@ -1939,7 +1949,7 @@ int sg_linear_gguf_a8(const float* x, int64_t M, int64_t K, const uint8_t* w, in
   LinearJob job{x, M, K, w, K / f->block * f->bytes, nullptr, N, bias, y, 0, 0, f->run_tiles_a8};
   job.xq = xq.data();
 #ifdef SG_AMX
-  if (g_amx_on.load() && f->run_tiles_amx[0] && M >= kAmxMinRows) {
+  if (g_amx_on.load() && f->run_tiles_amx[0] && M >= amx_min_rows(ggml_type)) {
     const int mp = M <= 4 ? 4 : M <= 8 ? 8 : 16, sub = ggml_type == 14 ? 16 : 32;  // Q6_K: a scale per 16
     AmxActivations act;
     prepare_amx_activations(xq.data(), M, K, mp, amx_group(sub, mp), sub, act);
@@ -1953,7 +1963,7 @@ int sg_linear_gguf_a8(const float* x, int64_t M, int64_t K, const uint8_t* w, in
   return run_linear(job, num_threads);
 }
 
-// AMX for the a8 K-quants at >= 2 rows: `on` = 1 asks for it (the first time, the kernel requests
+// AMX for the a8 K-quants at >= 3 rows (Q6_K >= 5): `on` = 1 asks for it (the first time, the kernel requests
 // the tile state from Linux: arch_prctl ARCH_REQ_XCOMP_PERM), 0 turns it off. Returns whether it
 // is on now: 0 when the build or the CPU lacks AMX or Linux refused. The bits are the same either way.
 int sg_set_amx(int on) {
