@@ -1,10 +1,12 @@
 """The int8-activation mode (weights="gguf-a8"): GGUF block weights times activations quantized to
 int8 per block (32, or 256 for K-quants) with integer dot products. Per format the kernel equals a
 float64 reference computed from the same int8 activation blocks (tight, scale-aware tolerance);
-rows are bitwise batch and thread-count invariant; the AVX2 and AVX-512 builds give the same bits;
+rows are bitwise batch and thread-count invariant; the AVX2 and AVX-512 builds (and AMX tiles where
+the CPU has them) give the same bits;
 speculation on SmolLM2 reproduces the a8 model's own plain greedy output."""
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -147,6 +149,59 @@ def test_a8_prefill_bits_are_the_same_on_the_avx2_and_avx512_builds(name):
     x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(9))  # [300, K]
     outputs = [GGUFLinear(blocks, qtype, in_features, None, b, activations="int8")(x) for b in (avx512, avx2)]
     assert torch.equal(*outputs)
+
+
+def amx_library():
+    """The AVX-512 kernel with AMX tiles turned on, or a skip saying why they cannot be."""
+    library = isa_backend("avx512").library
+    if not library.set_amx(True):
+        pytest.skip("no AMX here: the CPU lacks amx_tile / amx_int8, the build lacks them, or Linux refused the tile state")
+    return library
+
+
+@pytest.mark.parametrize("name", list(KERNEL_TYPES))
+def test_a8_bits_are_the_same_on_amx_vnni_and_avx2(name):
+    """AMX tiles (K-quants, forced on from 1 row so every tile path runs: 4, 8 and 16 rows per B
+    tile, 16-row activation blocks past 16) give the bits of the VNNI tiles and of the AVX2 build,
+    for any row count, odd N (a partial 16-row weight tile), and 1 or 2 threads."""
+    library, avx2 = amx_library(), isa_backend("avx2")
+    avx512 = isa_backend("avx512")
+    qtype = KERNEL_TYPES[name]
+    in_features = block_of(name) * (24 if block_of(name) == 32 else 7)  # past the 512-weight AMX K-chunk
+    blocks = random_blocks(name, 45, in_features, seed=11)  # 45 = 2 full 16-row tiles + 13
+    bias = torch.randn(45, generator=torch.Generator().manual_seed(12))
+    layers = [GGUFLinear(blocks, qtype, in_features, bias, b, activations="int8") for b in (avx512, avx2)]
+    x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(13)) * 2.0  # [300, K]
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            for rows in (1, 2, 5, 8, 16, 300):
+                library.set_amx(True, min_rows=1)
+                on_amx = layers[0](x[:rows])  # [rows, 45]
+                library.set_amx(False)
+                on_vnni = layers[0](x[:rows])
+                assert torch.equal(on_amx, on_vnni), f"AMX != VNNI at {rows} rows, {num_threads} threads"
+                assert torch.equal(on_vnni, layers[1](x[:rows])), f"VNNI != AVX2 at {rows} rows"
+        library.set_amx(True, min_rows=1)
+        # a row's bits do not depend on its position in the call: row 17 (block 2 of 16) alone
+        assert torch.equal(layers[0](x[:40])[17], layers[0](x[17:18])[0])
+    finally:
+        torch.set_num_threads(threads)
+        library.set_amx(True)
+
+
+def test_amx_switch_turns_the_tiles_off():
+    import subprocess
+    import sys
+
+    amx_library()  # skips without AMX
+    code = "from specdec.kernels import CppSkinnyLinear; print(CppSkinnyLinear(isa='avx512').library.amx)"
+    for value, expected in (("0", "False"), ("1", "True")):
+        env = dict(os.environ, SPECDEC_KERNEL_AMX=value, OMP_WAIT_POLICY="PASSIVE")
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip() == expected, (value, result.stdout)
 
 
 def test_a8_mode_errors_are_clear():

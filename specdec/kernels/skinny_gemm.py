@@ -154,7 +154,7 @@ class SkinnyGemmLibrary:
         lib.sg_a8_block.argtypes = [ctypes.c_int]
         lib.sg_a8_vnni.restype = ctypes.c_int
         lib.sg_set_amx.restype = ctypes.c_int
-        lib.sg_set_amx.argtypes = [ctypes.c_int]
+        lib.sg_set_amx.argtypes = [ctypes.c_int, ctypes.c_int64]
         lib.sg_amx.restype = ctypes.c_int
         lib.sg_dequantize_rows.restype = ctypes.c_int
         lib.sg_dequantize_rows.argtypes = [
@@ -260,11 +260,13 @@ class SkinnyGemmLibrary:
         """Whether the int8-activation dot products use VNNI here (results are the same either way)."""
         return bool(self._lib.sg_a8_vnni())
 
-    def set_amx(self, enabled: bool) -> bool:
+    def set_amx(self, enabled: bool, min_rows: int = 0) -> bool:
         """Turn AMX int8 tiles for the multi-row a8 K-quant linears on or off (on by default unless
         SPECDEC_KERNEL_AMX=0); returns whether they are on: False where the build, the CPU or
-        Linux (the tile-state request) lacks them. The results are bitwise the same either way."""
-        return bool(self._lib.sg_set_amx(int(bool(enabled))))
+        Linux (the tile-state request) lacks them. The results are bitwise the same either way.
+        min_rows > 0 uses AMX from that many activation rows instead of the measured thresholds
+        (3, Q6_K 5), so tests can run every tile path."""
+        return bool(self._lib.sg_set_amx(int(bool(enabled)), max(0, int(min_rows))))
 
     @property
     def amx(self) -> bool:

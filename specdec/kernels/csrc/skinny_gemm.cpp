@@ -1495,7 +1495,11 @@ constexpr std::array<void (*)(const LinearJob&, int64_t, int64_t), 3> amx_tile_r
 // Measured (one core, 8960 x 1536, min of 20): Q4_K 3 rows 0.56 ms on AMX vs 0.65 on VNNI (2 rows
 // 0.56 vs 0.53); Q6_K, with twice the sub-blocks, 5 rows 1.15 vs 1.19 (4 rows 1.00 vs 0.81).
 std::atomic<int> g_amx_on{0};
-inline int64_t amx_min_rows(int ggml_type) { return ggml_type == 14 ? 5 : 3; }
+std::atomic<int64_t> g_amx_min_rows{0};  // 0: the measured thresholds; tests set 1 to run every path
+inline int64_t amx_min_rows(int ggml_type) {
+  const int64_t forced = g_amx_min_rows.load();
+  return forced > 0 ? forced : ggml_type == 14 ? 5 : 3;
+}
 
 // Rows of a block-format weight written out as fp32 (an embedding lookup), with the same
 // per-weight expressions as the linear.
@@ -1966,7 +1970,9 @@ int sg_linear_gguf_a8(const float* x, int64_t M, int64_t K, const uint8_t* w, in
 // AMX for the a8 K-quants at >= 3 rows (Q6_K >= 5): `on` = 1 asks for it (the first time, the kernel requests
 // the tile state from Linux: arch_prctl ARCH_REQ_XCOMP_PERM), 0 turns it off. Returns whether it
 // is on now: 0 when the build or the CPU lacks AMX or Linux refused. The bits are the same either way.
-int sg_set_amx(int on) {
+// min_rows > 0 replaces the measured row thresholds (tests: every row count on AMX); 0 restores them.
+int sg_set_amx(int on, int64_t min_rows) {
+  g_amx_min_rows.store(std::max<int64_t>(0, min_rows));
 #ifdef SG_AMX
   static const bool granted = [] {
     unsigned a, b, c, d;
