@@ -1191,12 +1191,13 @@ void run_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
 // one into 16 x 16 int32 sums. The a8 K-quant outputs are defined by exact integers (see "int8
 // activations": per output and super-block ONE integer total of sub-block scale * sub-block dot
 // product, and one of the min terms) followed by one fixed sequence of float steps, so any exact
-// way of getting the integers gives the same bits: here, per 16 weight rows and sub-block (32
-// weights, Q6_K 16), ONE tile product of A = the 16 rows' decoded quants (natural layout, an L1
-// scratch decoded once per call and K-chunk, shared by every activation row) and B = up to 16
-// activation rows in the VNNI layout (4 consecutive bytes of a row side by side, prepared once per
-// call), stored as [16 weight rows][mp rows] int32 and multiplied by the rows' sub-block scales in
-// AVX-512 (vpmulld: exact, |total| < 2^31). Then the same float steps as a8_tile, lane by lane:
+// way of getting the integers gives the same bits: here, per 16 weight rows and group of sub-blocks
+// (32 weights, Q6_K 16; see AmxActivations), ONE tile product of A = the 16 rows' decoded quants
+// (natural layout, an L1 scratch decoded once per call, tile and K-chunk, shared by every
+// activation row) and B = up to 16 activation rows in the VNNI layout (4 consecutive bytes of a row
+// side by side, prepared once per call), stored as [16 weight rows][sub-block, row] int32 and
+// multiplied by the rows' sub-block scales in AVX-512 (vpmulld: exact, |total| < 2^31), summed
+// to the totals. Then the same float steps as a8_tile, lane by lane:
 //     acc = fma(float(total), d_w * d_x, acc);  acc = fnmadd(float(min total), dmin * d_x, acc)
 // The tiles' int32 products are exact (|.| <= 32 * 32 * 127 per sub-block), so the bits are those
 // of the AVX2 and VNNI builds, for any row count, row position and thread count.
@@ -1259,7 +1260,6 @@ inline void prefetch_l2(const char* p) { asm volatile("prefetcht1 %0" ::"m"(*p))
 
 struct AmxJob {
   const AmxActivations* act;
-  int mp;
 };
 
 // The K-quant scales of one super-block of 16 weight rows as 16-lane vectors over the rows (lane r
@@ -1962,7 +1962,7 @@ int sg_linear_gguf_a8(const float* x, int64_t M, int64_t K, const uint8_t* w, in
     const int mp = M <= 4 ? 4 : M <= 8 ? 8 : 16, sub = ggml_type == 14 ? 16 : 32;  // Q6_K: a scale per 16
     AmxActivations act;
     prepare_amx_activations(xq.data(), M, K, mp, amx_group(sub, mp), sub, act);
-    const AmxJob amx{&act, mp};
+    const AmxJob amx{&act};
     job.ctx = &amx;
     job.run_tiles = f->run_tiles_amx[mp == 4 ? 0 : mp == 8 ? 1 : 2];
     job.num_tiles = (N + kAmxTileRows - 1) / kAmxTileRows;
