@@ -154,8 +154,10 @@ def test_a8_prefill_bits_are_the_same_on_the_avx2_and_avx512_builds(name):
 def amx_library():
     """The AVX-512 kernel with AMX tiles turned on, or a skip saying why they cannot be."""
     library = isa_backend("avx512").library
+    was_on = library.amx  # off under SPECDEC_KERNEL_AMX=0: the other tests then run on VNNI
     if not library.set_amx(True):
         pytest.skip("no AMX here: the CPU lacks amx_tile / amx_int8, the build lacks them, or Linux refused the tile state")
+    library.set_amx(was_on)
     return library
 
 
@@ -165,7 +167,7 @@ def test_a8_bits_are_the_same_on_amx_vnni_and_avx2(name):
     tile, 16-row activation blocks past 16) give the bits of the VNNI tiles and of the AVX2 build,
     for any row count, odd N (a partial 16-row weight tile), and 1 or 2 threads."""
     library, avx2 = amx_library(), isa_backend("avx2")
-    avx512 = isa_backend("avx512")
+    avx512, was_on = isa_backend("avx512"), library.amx
     qtype = KERNEL_TYPES[name]
     in_features = block_of(name) * (24 if block_of(name) == 32 else 7)  # past the 512-weight AMX K-chunk
     blocks = random_blocks(name, 45, in_features, seed=11)  # 45 = 2 full 16-row tiles + 13
@@ -188,7 +190,7 @@ def test_a8_bits_are_the_same_on_amx_vnni_and_avx2(name):
         assert torch.equal(layers[0](x[:40])[17], layers[0](x[17:18])[0])
     finally:
         torch.set_num_threads(threads)
-        library.set_amx(True)
+        library.set_amx(was_on)
 
 
 def test_amx_switch_turns_the_tiles_off():
