@@ -195,3 +195,12 @@ def test_cost_tables_are_per_weight_format(quantized_gguf):
     a8 = load_native(model_dir, weights="gguf-a8")
     assert [cost_key(t)["weights"] for t in (stored, dense, a8)] == ["gguf", "fp32", "gguf-a8"]
     assert len({default_cache_path(cost_key(t)) for t in (stored, dense, a8)}) == 3
+    # AMX tiles (where the CPU has them) make another a8 T(k): a table measured without them is not reused
+    library = next(m for m in a8.model.modules() if isinstance(m, GGUFLinear)).backend.library
+    was_on = library.amx
+    try:
+        assert cost_key(a8).get("amx", False) == was_on
+        library.set_amx(False)
+        assert "amx" not in cost_key(a8) and "amx" not in cost_key(stored)
+    finally:
+        library.set_amx(was_on)
