@@ -169,7 +169,7 @@ def test_a8_bits_are_the_same_on_amx_vnni_and_avx2(name):
     library, avx2 = amx_library(), isa_backend("avx2")
     avx512, was_on = isa_backend("avx512"), library.amx
     qtype = KERNEL_TYPES[name]
-    in_features = block_of(name) * (24 if block_of(name) == 32 else 7)  # past the 512-weight AMX K-chunk
+    in_features = block_of(name) * (24 if block_of(name) == 32 else 15)  # past the 512-weight AMX K-chunk
     blocks = random_blocks(name, 45, in_features, seed=11)  # 45 = 2 full 16-row tiles + 13
     bias = torch.randn(45, generator=torch.Generator().manual_seed(12))
     layers = [GGUFLinear(blocks, qtype, in_features, bias, b, activations="int8") for b in (avx512, avx2)]
