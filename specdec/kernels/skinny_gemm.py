@@ -84,11 +84,12 @@ def cpu_flags() -> set[str]:
     return set(flags_line.split(":", 1)[1].split())
 
 
-def isa_build_flags(isa: str) -> tuple[str, ...]:
-    """Compiler flags for the `isa` build; the AVX-512 build adds VNNI (and AMX) where this CPU has it."""
+def isa_build_flags(isa: str, amx: bool = True) -> tuple[str, ...]:
+    """Compiler flags for the `isa` build; the AVX-512 build adds VNNI (and AMX unless amx=False)
+    where this CPU has it."""
     if isa != "avx512" or not VNNI_CPU_FLAGS <= cpu_flags():
         return ISA_FLAGS[isa]
-    return ISA_FLAGS[isa] + VNNI_FLAGS + (AMX_FLAGS if AMX_CPU_FLAGS <= cpu_flags() else ())
+    return ISA_FLAGS[isa] + VNNI_FLAGS + (AMX_FLAGS if amx and AMX_CPU_FLAGS <= cpu_flags() else ())
 
 
 def cpu_isa() -> str | None:
@@ -369,7 +370,13 @@ def load_library(
     key = (cxx, isa, str(cache_dir))
     with _BUILD_LOCK:
         if key not in _LIBRARIES:
-            path = _build(cxx, isa, cache_dir)
+            try:
+                path = _build(cxx, isa, cache_dir, isa_build_flags(isa))
+            except KernelUnavailable:
+                if isa_build_flags(isa, amx=False) == isa_build_flags(isa):
+                    raise
+                # a compiler without AMX intrinsics (gcc < 11): the same kernel without the tiles
+                path = _build(cxx, isa, cache_dir, isa_build_flags(isa, amx=False))
             try:
                 _LIBRARIES[key] = SkinnyGemmLibrary(path, isa)
             except KernelUnavailable:
@@ -378,9 +385,9 @@ def load_library(
         return _LIBRARIES[key]
 
 
-def _build(cxx: str, isa: str, cache_dir: Path) -> Path:
+def _build(cxx: str, isa: str, cache_dir: Path, isa_flags: tuple[str, ...]) -> Path:
     """Compile to <cache>/skinny_gemm-<isa>-<hash>.so unless it is already there (atomic rename)."""
-    flags = (*COMMON_FLAGS, *isa_build_flags(isa))
+    flags = (*COMMON_FLAGS, *isa_flags)
     source = SOURCE_PATH.read_bytes()
     compiler_stamp = f"{cxx}:{os.stat(cxx).st_mtime_ns}"
     digest = hashlib.sha256(source + " ".join(flags).encode() + compiler_stamp.encode()).hexdigest()[:16]
