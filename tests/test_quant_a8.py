@@ -156,7 +156,8 @@ def amx_library():
     library = isa_backend("avx512").library
     was_on = library.amx  # off under SPECDEC_KERNEL_AMX=0: the other tests then run on VNNI
     if not library.set_amx(True):
-        pytest.skip("no AMX here: the CPU lacks amx_tile / amx_int8, the build lacks them, or Linux refused the tile state")
+        pytest.skip("no AMX here: the CPU lacks amx_tile / amx_int8, the build or compiler lacks them, "
+                    "or Linux refused the tile state")
     library.set_amx(was_on)
     return library
 

@@ -77,7 +77,8 @@ def method_table(compiler: str | None = None) -> dict[str, Callable]:
             methods[f"gguf_{type_name.lower()}"] = _gguf_blocks(type_name, kernel)
             methods[f"gguf_{type_name.lower()}_a8"] = _gguf_blocks(type_name, kernel, activations="int8")
             if kernel.library.amx and type_name.endswith("_K"):  # the same kernel with AMX off (A/B)
-                methods[f"gguf_{type_name.lower()}_a8_noamx"] = _without_amx(kernel.library, methods[f"gguf_{type_name.lower()}_a8"])
+                name = f"gguf_{type_name.lower()}_a8"
+                methods[f"{name}_noamx"] = _without_amx(kernel.library, methods[name])
     except KernelUnavailable as exc:
         print(f"# gguf: unavailable ({exc})")
     return methods
