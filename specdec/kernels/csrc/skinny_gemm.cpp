@@ -668,15 +668,15 @@ inline __m256i dot_u8_i8_scaled(__m256i acc, __m256i u, __m256i s, __m256i scale
 #endif
 }
 
-// The float accumulators live in a.saved (32-weight formats: 8 lanes + the min-term sum per output;
-// K-quants: one float per output, touched once per 256 weights): keeping them out of registers
-// leaves room for the integer sums.
 // Formats whose a8 tile runs two columns per zmm (the decoded 32-weight blocks of the VNNI build)
 template <typename Fmt, typename = void>
 struct pairs_columns : std::false_type {};
 template <typename Fmt>
 struct pairs_columns<Fmt, std::void_t<decltype(Fmt::kPairColumns)>> : std::bool_constant<Fmt::kPairColumns> {};
 
+// The float accumulators live in a.saved (32-weight formats: 8 lanes + the min-term sum per output;
+// K-quants: one float per output, touched once per 256 weights): keeping them out of registers
+// leaves room for the integer sums.
 template <typename Fmt, int MR, int NR>
 void a8_tile(const TileArgs& a) {
   // a.saved, per row r (kRowFloats floats): the 8 acc lanes of each column side by side (two
