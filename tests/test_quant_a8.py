@@ -207,6 +207,22 @@ def test_amx_switch_turns_the_tiles_off():
         assert result.stdout.strip() == expected, (value, result.stdout)
 
 
+def test_a_compiler_without_amx_intrinsics_builds_the_kernel_without_tiles(tmp_path):
+    """gcc < 11 rejects -mamx-tile / -mamx-int8: the build falls back to the same AVX-512 kernel
+    without tiles (VNNI, the same a8 bits) instead of to no kernel at all."""
+    amx_library()  # skips where there are no tiles to fall back from
+    from specdec.kernels.skinny_gemm import find_compiler, load_library
+
+    wrapper = tmp_path / "cxx-without-amx"
+    wrapper.write_text("#!/bin/sh\n"
+                       'for arg in "$@"; do case "$arg" in -mamx*) echo "unrecognized option $arg" >&2; exit 1;; esac; done\n'
+                       f'exec "{find_compiler()}" "$@"\n')
+    wrapper.chmod(0o755)
+    library = load_library(compiler=str(wrapper), isa="avx512", cache_dir=tmp_path / "kernels")
+    assert library.vector_width == 16 and library.a8_vnni
+    assert not library.set_amx(True) and not library.amx
+
+
 def test_a8_mode_errors_are_clear():
     backend = CppSkinnyLinear()
     blocks = random_blocks("Q8_0", 4, 64, seed=0)
