@@ -56,3 +56,18 @@ def test_heads_start_from_a_gguf_block_target_as_from_its_fp32_twin(kind):
     for name in from_blocks:
         if torch.is_floating_point(from_blocks[name]):
             assert torch.equal(from_blocks[name], from_fp32[name]), name
+
+
+@pytest.mark.parametrize("weights", ["gguf", "fp32"])
+def test_frozen_parts_of_a_tied_target_hold_one_dense_matrix(weights):
+    """SmolLM2 ties its LM head to its embeddings: the frozen parts keep one dense copy for both
+    (a GGUF-block target used to dequantize the table twice), equal to the LM head's own matrix."""
+    from specdec import load_target
+
+    target = load_target("smollm2-135m", weights=weights, progress=False)
+    assert target.config.tie_word_embeddings
+    parts = FrozenTargetParts.from_target(target)
+    assert parts.lm_head_weight.data_ptr() == parts.embed_weight.data_ptr()
+    lm_head = target.model.lm_head
+    dense = lm_head.fp32_weight() if hasattr(lm_head, "fp32_weight") else lm_head.weight
+    assert torch.equal(parts.lm_head_weight, dense)

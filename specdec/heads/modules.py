@@ -69,7 +69,10 @@ class FrozenTargetParts:
         eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None) or 1e-6
         # GGUF-block modules (weights="gguf") hold uint8 blocks: the heads train on the dense matrices
         dense = lambda module: module.fp32_weight() if hasattr(module, "fp32_weight") else module.weight.detach()  # noqa: E731
-        return cls(dense(embed), dense(lm_head), norm.weight.detach(), float(eps))
+        embed_weight = dense(embed)
+        # tied embeddings: one dense copy serves both (a GGUF-block target would dequantize it twice: 933 MB on the 1.5B)
+        tied = lm_head.weight.data_ptr() == embed.weight.data_ptr() and lm_head.weight.shape == embed.weight.shape
+        return cls(embed_weight, embed_weight if tied else dense(lm_head), norm.weight.detach(), float(eps))
 
     def with_lm_rows(self, token_ids: torch.Tensor) -> FrozenTargetParts:
         """The same parts with an LM head over `token_ids` only (logits [..., len(token_ids)])."""
