@@ -173,15 +173,15 @@ def draft_linears(heads: nn.Module, vocab: DraftVocab, draft_weights: str) -> st
 
     if draft_weights not in DRAFT_WEIGHTS:
         raise ValueError(f"draft_weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {draft_weights!r}")
-    backend = DRAFT_WEIGHTS[draft_weights]
-    if make_backend("auto").backend.name == "torch":  # forced by the environment, or no kernel here
-        backend = "torch"
+    # torch when the environment forces it or there is no kernel here
+    name = "torch" if make_backend("auto").backend.name == "torch" else DRAFT_WEIGHTS[draft_weights]
     try:
-        info = fast_linear_modules(heads, backend=backend)
+        backend = make_backend(name).backend
     except KernelUnavailable:
-        info = fast_linear_modules(heads, backend="torch")
-    vocab.parts = vocab.parts.with_linear_backend(make_backend(info["backend"]).backend)
-    return info["backend"]
+        backend = make_backend("torch").backend
+    fast_linear_modules(heads, backend=backend)  # one backend (one int8 copy cache) for the module and its LM rows
+    vocab.parts = vocab.parts.with_linear_backend(backend)
+    return backend.name
 
 
 class KeysOfThisPass:

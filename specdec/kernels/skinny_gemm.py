@@ -639,13 +639,14 @@ class FastLinear(nn.Linear):
         return f"{super().extra_repr()}, backend={self.backend.name}"
 
 
-def fast_linear_modules(model: nn.Module, backend: str = "auto", compiler: str | None = None) -> dict:
-    """Replace every nn.Linear in `model` (in place) by a FastLinear on the chosen backend.
+def fast_linear_modules(model: nn.Module, backend="auto", compiler: str | None = None) -> dict:
+    """Replace every nn.Linear in `model` (in place) by a FastLinear on the chosen backend (a name,
+    or a backend instance to share, e.g. with an LM head outside `model`).
 
     Returns {"backend", "count", "batch_invariant", "quantized", "reason"}. Parameters are
     shared, not copied (a tied lm_head keeps pointing at embed_tokens.weight). Already-replaced modules are
     re-pointed at the new backend, so calling it twice switches backends."""
-    choice = make_backend(backend, compiler=compiler)
+    choice = make_backend(backend, compiler=compiler) if isinstance(backend, str) else BackendChoice(backend, "given")
     replacements = [
         (parent, child_name, child)
         for parent in model.modules()

@@ -325,7 +325,7 @@ def default_train_dtype(device: str) -> str:
 
     if device.startswith("cuda"):
         return "bf16"
-    return "bf16" if device == "cpu" and any(flag in cpu_flags() for flag in NATIVE_BF16_CPU_FLAGS) else "fp32"
+    return "bf16" if device.startswith("cpu") and any(flag in cpu_flags() for flag in NATIVE_BF16_CPU_FLAGS) else "fp32"
 
 
 def run_heads_training(args) -> int:
