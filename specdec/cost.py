@@ -122,13 +122,16 @@ def _target_device(target) -> torch.device:
     return torch.device(getattr(target, "device", "cpu"))
 
 
-def _a8_on_amx(target) -> bool:
-    """Whether the target's int8-activation GGUF linears run on AMX tiles (specdec.kernels)."""
-    from .kernels import GGUFLinear
-
+def _kernel_library(target):
+    """The compiled kernel library the target's linears run on (specdec.kernels), or None."""
     model = getattr(target, "model", None)
-    linear = next((m for m in model.modules() if isinstance(m, GGUFLinear)), None) if model is not None else None
-    return linear is not None and linear.backend.library.amx
+    if not isinstance(model, torch.nn.Module):
+        return None
+    for module in model.modules():
+        library = getattr(getattr(module, "backend", None), "library", None)
+        if library is not None and hasattr(library, "path"):
+            return library
+    return None
 
 
 def cost_key(target, prefix_len: int = 64, clock: str = "wall") -> dict:
@@ -148,8 +151,12 @@ def cost_key(target, prefix_len: int = 64, clock: str = "wall") -> dict:
         # GGUF blocks stream ~6x fewer bytes than fp32 weights: a table is per weight format
         "weights": str(getattr(target, "weights", "fp32")),
     }
-    if key["weights"] == "gguf-a8" and _a8_on_amx(target):
-        key["amx"] = True  # multi-row int8 K-quant linears on AMX tiles: another T(k) (same logits)
+    library = _kernel_library(target)
+    if library is not None:
+        # the build (source + flags + compiler digest): a table timed on an older kernel is stale
+        key["kernel"] = Path(library.path).stem
+        if key["weights"] == "gguf-a8" and library.amx:
+            key["amx"] = True  # multi-row int8 K-quant linears on AMX tiles: another T(k) (same logits)
     if device.type == "cuda" and torch.cuda.is_available():
         key["device_name"] = torch.cuda.get_device_name(device)
     if clock != "wall":  # wall-clock keys stay as they were (cached tables remain valid)

@@ -204,3 +204,22 @@ def test_cost_tables_are_per_weight_format(quantized_gguf):
         assert "amx" not in cost_key(a8) and "amx" not in cost_key(stored)
     finally:
         library.set_amx(was_on)
+
+
+def test_cost_tables_are_per_kernel_build(quantized_gguf):
+    """A table timed on one build of the kernel is not reused by another build (the library file
+    is named by the digest of its source, flags and compiler), so kernel work never runs on stale T(k)."""
+    from specdec.cost import cost_key, default_cache_path
+
+    _, _, model_dir = quantized_gguf
+    target = load_native(model_dir)
+    library = next(m for m in target.model.modules() if isinstance(m, GGUFLinear)).backend.library
+    key = cost_key(target)
+    assert key["kernel"] == library.path.stem and library.isa in key["kernel"]
+    built_path = library.path
+    try:
+        library.path = built_path.with_name(f"skinny_gemm-{library.isa}-0123456789abcdef.so")  # another build
+        assert cost_key(target)["kernel"] != key["kernel"]
+        assert default_cache_path(cost_key(target)) != default_cache_path(key)
+    finally:
+        library.path = built_path
