@@ -17,6 +17,7 @@ from specdec.api import generate_batch
 from specdec.budget import AutoBudget
 from specdec.cost import CostTable
 from specdec.draft import Draft
+from specdec.drafters.base import Drafter
 from specdec.drafters.dflash import DFlashDrafter
 from specdec.drafters.dspark import DSparkDrafter
 from specdec.heads import FrozenTargetParts, target_description
@@ -307,6 +308,68 @@ def test_greedy_on_smollm2_through_the_loop_equals_plain(smollm2):
     results = generate_batch(smollm2, prompts, drafter, max_new_tokens=12)
     for prompt, result in zip(prompts, results):
         assert result.tokens == generate(smollm2, prompt, max_new_tokens=12).tokens
+
+
+class LazyAgainstEager(Drafter):
+    """Drafts on some steps only, from a drafter that holds the target's rows until it drafts, and
+    checks each draft against a twin that absorbs every step's rows as they come."""
+
+    name = "lazy-against-eager"
+
+    def __init__(self, drafter: DSparkDrafter, draft_on=lambda step: step % 3 == 2):
+        self.drafter, self.draft_on, self.drafts = drafter, draft_on, []
+        self.hidden_layers, self.default_budget = drafter.hidden_layers, drafter.default_budget
+
+    def for_sequence(self):
+        twin = LazyAgainstEager(self.drafter, self.draft_on)
+        twin.drafts = self.drafts  # one record for every sequence of the batch
+        return twin
+
+    def begin(self, prompt_ids, target):
+        self.lazy, self.eager, self.steps = self.drafter.for_sequence(), self.drafter.for_sequence(), 0
+        self.lazy.begin(prompt_ids, target)
+        self.eager.begin(prompt_ids, target)
+
+    def on_verified(self, result, ctx):
+        self.lazy.on_verified(result, ctx)
+        self.eager.on_verified(result, ctx)
+        with torch.inference_mode():
+            self.eager.runner.catch_up()  # absorbed now, as before the rows were held
+        assert self.eager.catch_up_tokens(ctx) == 0
+
+    def propose(self, ctx, budget):
+        self.steps += 1
+        if not self.draft_on(self.steps):
+            return Draft.empty()
+        held = self.lazy.catch_up_tokens(ctx)
+        lazy, eager = self.lazy.propose(ctx, budget), self.eager.propose(ctx, budget)
+        self.drafts.append((held, lazy, eager))
+        assert self.lazy.catch_up_tokens(ctx) == 0
+        return lazy
+
+
+def test_held_rows_caught_up_when_drafting_give_the_draft_of_absorbing_every_step(smollm2):
+    """A step that does not draft leaves the target's rows with the runner (no draft-model work);
+    the next block absorbs all of them in one forward and drafts exactly what absorbing each step's
+    rows as they came would have: the same tokens and, with the batch-invariant kernel, the same
+    confidences to the bit (torch's BLAS adds in another order for other row counts: to rounding)."""
+    module = _perturbed(build_heads("dspark", smollm2, 5, block_size=5, markov_rank=16), scale=0.02)
+    torch.nn.init.normal_(module.sequential.markov_head.markov_w2.weight, std=0.5)
+    drafter = DSparkDrafter.from_module(smollm2, module)
+    checked = LazyAgainstEager(drafter)
+    prompts = [smollm2.tokenizer.encode("def add(a, b):"), smollm2.tokenizer.encode("One, two, three,")]
+    results = generate_batch(smollm2, prompts, checked, max_new_tokens=16)
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == generate(smollm2, prompt, max_new_tokens=16).tokens
+    assert len(checked.drafts) >= 6 and all(held >= 2 for held, _, _ in checked.drafts)  # two idle steps' rows, at least
+    assert checked.drafts[0][0] > len(prompts[1])  # the first block also catches up the prompt
+    bitwise = drafter.linear_backend != "torch"
+    for held, lazy, eager in checked.drafts:
+        assert lazy.tokens.tolist() == eager.tokens.tolist(), held
+        if bitwise:
+            assert torch.equal(lazy.confidences, eager.confidences), held
+        else:
+            assert_close_to_scale(lazy.confidences, eager.confidences, what="confidences")
 
 
 def test_training_learns_blocks_and_calibration_is_stored(trained):

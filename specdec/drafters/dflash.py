@@ -1,11 +1,16 @@
 """DFlash drafting (`dflash`): one forward of the block-diffusion module drafts a whole chain.
 
 The module (specdec.heads.dflash) keeps a KV cache of the context: after each verify the loop
-hands the target's fused hidden rows of the tokens that entered its cache (`ctx.new_hidden`), and
-each draft layer's context keys / values for them are computed once (`DFlashRunner.absorb`). A
-proposal runs the block [root, MASK x (block_size - 1)] at the root's position over that cache
-(non-causal: no mask), reads rows 1 .. K through the target's LM head (or the rows of a reduced
-draft vocabulary), and forgets the block's keys.
+hands the target's fused hidden rows of the tokens that entered its cache (`ctx.new_hidden`). The
+runner only holds them (`DFlashRunner.keep`); each draft layer's context keys / values for them are
+computed once, in one forward over every held row, when a block is next drafted
+(`DFlashRunner.catch_up`). Every step of that forward is row-wise (fc, RMSNorm, K / V projections,
+RoPE at each row's own position) and the draft linears are batch invariant, so the keys are the
+same bits as absorbing each step's rows as they come: the draft is the same, and a step that does
+not draft (`--gamma auto` falling back to plain decoding) costs the drafter nothing. A proposal runs
+the block [root, MASK x (block_size - 1)] at the root's position over that cache (non-causal: no
+mask), reads rows 1 .. K through the target's LM head (or the rows of a reduced draft vocabulary),
+and forgets the block's keys.
 
 Greedy (or sample=false): each row's argmax. Temperature > 0: each row's token is sampled from
 its own warped q and q goes to verification as draft_probs. The rows do not see each other's
@@ -38,16 +43,31 @@ class DFlashRunner:
         attn = heads.layers[0].self_attn
         self.cache = KVCache(len(heads.layers), 1, attn.num_kv_heads, attn.head_dim, prompt_len + _CACHE_HEADROOM,
                              target.dtype, target.device)
+        self.held: list[torch.Tensor] = []  # target rows [n, F*H] not absorbed yet, oldest first
 
     @property
     def cached(self) -> int:
+        """Positions whose context keys / values are in the cache."""
         return int(self.cache.lengths[0])
 
-    def absorb(self, ctx: DraftContext) -> None:
-        rows, start = new_hidden_rows(ctx, self.heads.input_layers, self.cached)
-        if rows is None:
+    @property
+    def known(self) -> int:
+        """Positions whose target rows the runner has: cached, or held for the next catch-up."""
+        return self.cached + sum(rows.shape[0] for rows in self.held)
+
+    def keep(self, ctx: DraftContext) -> None:
+        """Hold the target rows that just entered the target's cache (absorbed at the next catch-up)."""
+        rows, _ = new_hidden_rows(ctx, self.heads.input_layers, self.known)
+        if rows is not None:
+            self.held.append(rows)
+
+    def catch_up(self) -> None:
+        """Absorb every held row: the context keys / values of every draft layer, one forward for all."""
+        if not self.held:
             return
-        num_new = rows.shape[0]
+        rows = self.held[0] if len(self.held) == 1 else torch.cat(self.held)  # [n, F*H]
+        self.held = []
+        start, num_new = self.cached, rows.shape[0]
         self.cache = grow_cache(self.cache, start + num_new + self.heads.block_size + _CACHE_HEADROOM)
         positions = torch.arange(start, start + num_new, device=rows.device)[None]  # [1, n]
         for slot, (keys, values) in enumerate(self.heads.context_kv(self.heads.context_states(rows[None]), positions)):
@@ -56,6 +76,7 @@ class DFlashRunner:
 
     def block_rows(self, root: int, length: int) -> torch.Tensor:
         """Final-normed hidden states [length, H] of the first `length` prediction rows of the block rooted at `root`."""
+        self.catch_up()
         committed = self.cached
         offset = self.heads.prediction_offset
         block = self.heads.block_tokens(torch.tensor([root], device=self.heads.fc.weight.device))  # [1, block_size]
@@ -128,16 +149,20 @@ class DFlashDrafter(Drafter):
     def begin(self, prompt_ids, target) -> None:
         self.runner = DFlashRunner(self.heads, self.vocab, self.target, len(prompt_ids))
 
-    @torch.inference_mode()
     def on_verified(self, result, ctx: DraftContext) -> None:
-        self.runner.absorb(ctx)
+        self.runner.keep(ctx)  # absorbed when the next block is drafted (block_rows)
 
+    def catch_up_tokens(self, ctx: DraftContext) -> int:
+        """Held target rows the next block must first absorb (steps verified without drafting)."""
+        return 0 if self.runner is None else self.runner.known - self.runner.cached
+
+    @torch.inference_mode()
     def block_rows(self, ctx: DraftContext, budget: int) -> torch.Tensor | None:
         """Hidden rows [K, H] of this step's block, K = min(budget, prediction rows); None = nothing to draft."""
-        if self.runner is None or self.runner.cached == 0 or budget <= 0:
+        if self.runner is None or self.runner.known == 0 or budget <= 0:
             return None
-        if len(ctx.tokens) - 1 != self.runner.cached:
-            raise RuntimeError(f"drafter out of sync: {self.runner.cached} positions cached, root at {len(ctx.tokens) - 1}")
+        if len(ctx.tokens) - 1 != self.runner.known:
+            raise RuntimeError(f"drafter out of sync: {self.runner.known} positions known, root at {len(ctx.tokens) - 1}")
         return self.runner.block_rows(ctx.tokens[-1], min(check_int("budget", budget, 1), self.heads.num_positions))
 
     @torch.inference_mode()
