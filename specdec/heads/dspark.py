@@ -77,14 +77,21 @@ class MarkovHead(nn.Module):
         """W2 inputs: [..., r] -> [..., V'] over the token ids `ids` [V'] (None = every id; only those
         rows of W2 are multiplied, and only they get a gradient). Over every id it is the module itself,
         so a drafter's linear backend (draft_linears) runs it; over V' the [V', r] rows are fp32."""
-        if ids is None:
-            return self.markov_w2(inputs)
-        return F.linear(inputs, self.markov_w2.weight[ids])  # W2 rows [V', r]
+        return self.bias_over(ids)(inputs)
 
-    def step(self, state, previous_tokens: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor | None = None):
-        """(next state, bias [..., V']) for one position; previous_tokens [...], hidden [..., H]."""
+    def bias_over(self, ids: torch.Tensor | None = None):
+        """`bias` over the token ids `ids` as a function of the [..., r] inputs, its [V', r] rows of W2
+        gathered once (a block drafted left to right reuses them at every position)."""
+        if ids is None:
+            return self.markov_w2
+        rows = self.markov_w2.weight[ids]  # [V', r]
+        return lambda inputs: F.linear(inputs, rows)
+
+    def step(self, state, previous_tokens: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor | None = None, bias=None):
+        """(next state, bias [..., V']) for one position; previous_tokens [...], hidden [..., H].
+        `bias`: a `bias_over(ids)` to reuse (else one is made)."""
         state, inputs = self.step_input(state, previous_tokens, hidden)
-        return state, self.bias(inputs, ids)
+        return state, (self.bias_over(ids) if bias is None else bias)(inputs)
 
     def block_bias(self, previous_tokens: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Teacher-forced biases of a whole block: previous_tokens [N, K], hidden [N, K, H] -> [N, K, V']
@@ -172,9 +179,10 @@ class SequentialParts(nn.Module):
         conditions the next position. Returns (tokens [K], q rows [K, V] or None, confidences [K])."""
         previous = torch.tensor([anchor], device=hidden.device)
         state = self.markov_head.initial_state(1, hidden)
+        bias_over_ids = self.markov_head.bias_over(ids)
         tokens, rows, confidence_logits = [], [], []
         for k in range(base_logits.shape[0]):
-            state, bias = self.markov_head.step(state, previous, hidden[k : k + 1], ids)  # bias [1, V']
+            state, bias = self.markov_head.step(state, previous, hidden[k : k + 1], bias=bias_over_ids)  # bias [1, V']
             confidence_logits.append(self.confidence_head(hidden[k : k + 1], self.markov_head.previous_embedding(previous)))
             token, q = choose(base_logits[k].float() + bias[0].float())
             tokens.append(token)
