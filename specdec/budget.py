@@ -57,19 +57,22 @@ def chain_path_scores(accept_probs_by_depth: Sequence[float]) -> list[float]:
     return survivals(check_probabilities("accept_probs_by_depth", accept_probs_by_depth))
 
 
-def tokens_per_ms(path_scores: Sequence[float], cost: CostTable, draft_ms_per_node: float, other_tokens: int = 0) -> list[float]:
+def tokens_per_ms(path_scores: Sequence[float], cost: CostTable, draft_ms_per_node: float, other_tokens: int = 0,
+                  draft_ms_per_step: float = 0.0) -> list[float]:
     """rates[n] for n = 0..len(path_scores): expected tokens per ms of a step drafting the first n
-    nodes, (1 + sum_{i<n} s_i) / (n * draft_ms_per_node + T(other_tokens + n + 1)); rates[0] is
-    plain decoding, 1 / T(other_tokens + 1). `other_tokens`: tokens of the other sequences in the forward."""
-    if draft_ms_per_node < 0:
-        raise ValueError(f"draft time must be >= 0 ms, got {draft_ms_per_node}")
+    nodes, (1 + sum_{i<n} s_i) / (draft_ms_per_step + n * draft_ms_per_node + T(other_tokens + n + 1));
+    rates[0] is plain decoding, 1 / T(other_tokens + 1). `other_tokens`: tokens of the other sequences
+    in the forward; `draft_ms_per_step`: paid by any n > 0 (a block drafter's forward drafts its whole
+    block however much of it is verified)."""
+    if draft_ms_per_node < 0 or draft_ms_per_step < 0:
+        raise ValueError(f"draft time must be >= 0 ms, got {draft_ms_per_node} per node, {draft_ms_per_step} per step")
     if other_tokens < 0:
         raise ValueError(f"other_tokens must be >= 0, got {other_tokens}")
     rates = [1.0 / cost.t(other_tokens + 1)]
     expected_tokens = 1.0
     for nodes, score in enumerate(path_scores, start=1):
         expected_tokens += score
-        rates.append(expected_tokens / (nodes * draft_ms_per_node + cost.t(other_tokens + nodes + 1)))
+        rates.append(expected_tokens / (draft_ms_per_step + nodes * draft_ms_per_node + cost.t(other_tokens + nodes + 1)))
     return rates
 
 
@@ -79,6 +82,7 @@ def choose_budget(
     draft_ms_per_node: float,
     max_budget: int,
     other_tokens: int = 0,
+    draft_ms_per_step: float = 0.0,
 ) -> int:
     """Draft nodes n in 0..min(max_budget, len(path_scores)) maximising `tokens_per_ms`.
 
@@ -88,7 +92,8 @@ def choose_budget(
     this step) unless some n > 0 is strictly better; ties go to the smaller draft.
     """
     check_int("max_budget", max_budget, 0)
-    rates = tokens_per_ms(_check_descending("path_scores", path_scores)[:max_budget], cost, draft_ms_per_node, other_tokens)
+    rates = tokens_per_ms(_check_descending("path_scores", path_scores)[:max_budget], cost, draft_ms_per_node, other_tokens,
+                          draft_ms_per_step)
     best = 0
     for nodes, rate in enumerate(rates):
         if rate > rates[best]:
@@ -149,15 +154,26 @@ class AcceptanceTracker:
                 f"need 0 <= accepted <= drafted_depths, got accepted={accepted}, "
                 f"drafted_depths={drafted_depths}"
             )
-        reached = min(drafted_depths, accepted + 1)  # depths 1..reached were tried
-        while len(self.reached_weight) < reached:
-            self.reached_weight.append(0.0)
-            self.accepted_weight.append(0.0)
-        for index in range(reached):
-            self.reached_weight[index] = self.decay * self.reached_weight[index] + 1.0
-            self.accepted_weight[index] = (
-                self.decay * self.accepted_weight[index] + (1.0 if index < accepted else 0.0)
-            )
+        self.update_expected([1.0] * accepted + [0.0] * (accepted < drafted_depths))
+
+    def update_expected(self, path_survivals: Sequence[float]) -> None:
+        """One step's outcome as probabilities: path_survivals[d - 1] = P(depths 1..d all accepted),
+        non-increasing. Depth d counts as reached with its parent's survival (1 for depth 1) and as
+        accepted with its own; depths whose parent cannot survive keep their estimates. `update` is
+        the 0 / 1 case; a drafter's calibrated confidences give the expected outcome of positions
+        that were drafted but not verified."""
+        parent = 1.0
+        for index, survival in enumerate(check_probabilities("path_survivals", path_survivals)):
+            if parent <= 0.0:
+                break
+            if survival > parent:
+                raise ValueError(f"path_survivals must not increase: depth {index + 1} ({survival}) > its parent ({parent})")
+            if index == len(self.reached_weight):
+                self.reached_weight.append(0.0)
+                self.accepted_weight.append(0.0)
+            self.reached_weight[index] = self.decay * self.reached_weight[index] + parent
+            self.accepted_weight[index] = self.decay * self.accepted_weight[index] + survival
+            parent = survival
 
     def probs(self, max_depth: int) -> list[float]:
         """Estimated a_1..a_max_depth."""
@@ -221,10 +237,13 @@ class AutoBudget:
       under this policy (a server's lifetime, a bench method) starts cautious.
 
     A drafter that scores its own positions (`gives_confidences`, Draft.confidences) drafts its
-    full block whenever drafting is expected to pay at all (the estimates and probes above), and
-    `verify_prefixes` cuts every running sequence's chain to the prefix worth verifying
-    (specdec.schedule.admit, one call across the batch). `use_confidences=False` plans such a
-    drafter like any other.
+    full block whenever drafting is expected to pay at all (the estimates, probes and catch-up rule
+    above, with the block's forward priced per step: it costs the same however much of the block is
+    verified), and `verify_prefixes` cuts every running sequence's chain to the prefix worth
+    verifying (specdec.schedule.admit, one call across the batch). Its estimates learn from every
+    drafted position: verified ones by their outcome, the rest (cut off by the scheduler, or past an
+    accepted prefix) by their calibrated confidences, so a block the scheduler cuts to nothing still
+    says that drafting did not pay. `use_confidences=False` plans such a drafter like any other.
 
     `draft_ms_per_token`: a fixed drafting cost per draft token (ms); None (default) measures it
     per sequence, starting from the drafter's `draft_cost_tokens()` prior.
@@ -251,6 +270,8 @@ class AutoBudget:
         self._probe_interval: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._draft_ms: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> ms per draft token
         self._last_draft_totals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._blocks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> this step's block confidences
+        self._cut_tokens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> drafted, never verified
 
     def _tracker(self, seq) -> AcceptanceTracker:
         tracker = self._trackers.get(seq)
@@ -284,7 +305,8 @@ class AutoBudget:
         one_off_ms = self.catch_up_ms(seq)
         if one_off_ms == 0.0:
             return True
-        rates = tokens_per_ms(self._tracker(seq).path_scores(budget), self.cost, self._draft_ms_per_token(seq), others)
+        per_node, per_step = self._draft_prices(seq)
+        rates = tokens_per_ms(self._tracker(seq).path_scores(budget), self.cost, per_node, others, per_step)
         remaining = self.payback_fraction * (seq.max_new_tokens - seq.generated)
         return one_off_ms < remaining * (1.0 / rates[0] - 1.0 / rates[budget])  # ms saved per token
 
@@ -307,10 +329,13 @@ class AutoBudget:
         if not scheduled:
             return drafts
         fixed_tokens = sum(1 + len(draft) for row, draft in enumerate(drafts) if row not in scheduled)
-        admitted = admit([drafts[row].confidences.tolist() for row in scheduled],
-                         lambda tokens: 1000.0 / self.cost.t(tokens + fixed_tokens))
+        confidences = [drafts[row].confidences.tolist() for row in scheduled]
+        admitted = admit(confidences, lambda tokens: 1000.0 / self.cost.t(tokens + fixed_tokens))
         drafts = list(drafts)
-        for row, length in zip(scheduled, admitted):
+        for row, length, block in zip(scheduled, admitted, confidences):
+            seq = seqs[row]
+            self._blocks[seq] = block  # observe() learns from the positions cut off too
+            self._cut_tokens[seq] = self._cut_tokens.get(seq, 0) + len(block) - length
             drafts[row] = drafts[row].prefix(length)
         return drafts
 
@@ -341,11 +366,19 @@ class AutoBudget:
         draft every step (the cut alone only saves verify time)."""
         return self.max_budget_for(seq.drafter) if self._single(seq, others) > 0 else 0
 
+    def _draft_prices(self, seq) -> tuple[float, float]:
+        """(ms per drafted node, ms per drafting step): a block drafter's forward drafts the whole
+        block whatever the scheduler then verifies, so its cost is per step; other drafters pay per node."""
+        per_token = self._draft_ms_per_token(seq)
+        if self.schedules(seq.drafter):
+            return 0.0, per_token * self.max_budget_for(seq.drafter)
+        return per_token, 0.0
+
     def _single(self, seq, others: int) -> int:
         limit = self.max_budget_for(seq.drafter)
         tracker = self._tracker(seq)
-        draft_ms = self._draft_ms_per_token(seq)
-        chosen = choose_budget(tracker.path_scores(limit), self.cost, draft_ms, limit, others)
+        per_node, per_step = self._draft_prices(seq)
+        chosen = choose_budget(tracker.path_scores(limit), self.cost, per_node, limit, others, per_step)
         if chosen > 0 and self.pays_back(seq, chosen, others):
             self._probe_interval[seq] = self.probe_every  # drafting pays: probe often if it stops paying
             self._idle_steps[seq] = 0
@@ -362,16 +395,23 @@ class AutoBudget:
         return chosen
 
     def observe(self, seq, drafted_depth: int, accepted: int) -> None:
-        if drafted_depth > 0:  # an empty draft (no n-gram match, budget 0) says nothing about acceptance
+        block = self._blocks.pop(seq, None)  # the confidences of this step's whole block, when it was cut
+        if block is not None:
+            # verified positions by their outcome; past an accepted prefix, the calibrated confidences
+            outcome = [1.0] * accepted
+            tail = [0.0] if accepted < drafted_depth else survivals(block[accepted:])
+            self._tracker(seq).update_expected(outcome + tail)
+            self.population.update_expected(outcome + tail)
+        elif drafted_depth > 0:  # an empty draft (no n-gram match, budget 0) says nothing about acceptance
             self._tracker(seq).update(drafted_depth, accepted)
             self.population.update(drafted_depth, accepted)
         self._update_draft_cost(seq)
 
     def _update_draft_cost(self, seq) -> None:
-        """EMA of draft ms per drafted token over steps. The first drafting step is skipped: it
+        """EMA of draft ms per drafted token (verified or cut off by the scheduler) over steps. The first drafting step is skipped: it
         includes one-off work (a draft model prefilling the whole prompt) that would otherwise
         make drafting look far more expensive per token than it is."""
-        time_s, drafted = seq.stats.time_draft_s, seq.stats.drafted_tokens
+        time_s, drafted = seq.stats.time_draft_s, seq.stats.drafted_tokens + self._cut_tokens.get(seq, 0)
         last_time_s, last_drafted, steps_seen = self._last_draft_totals.get(seq, (0.0, 0, 0))
         if drafted <= last_drafted:
             return

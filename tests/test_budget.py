@@ -5,9 +5,11 @@ drafters are stubs whose catch-up size and cost are set by the test; the loop te
 runs the real small-model drafter on the tiny target.
 """
 
+import random
+
 import pytest
 
-from specdec.budget import AutoBudget
+from specdec.budget import AcceptanceTracker, AutoBudget
 from specdec.cost import CostTable
 from specdec.draft import Draft
 from specdec.drafters.base import DraftContext, Drafter
@@ -174,3 +176,53 @@ def test_a_confidence_drafter_that_is_never_accepted_stops_drafting_and_probes()
     assert policy.plan([seq]) == [4]
     with pytest.raises(ValueError, match="draft_ms_per_token"):
         AutoBudget(TABLE, draft_ms_per_token=-1.0)
+
+
+def test_expected_outcomes_update_the_tracker_like_counted_ones():
+    """update_expected with 0 / 1 survivals is update(); with probabilities, each depth's estimate
+    moves toward the expected acceptance given its parent survived."""
+    rng = random.Random(0)
+    counted, expected = AcceptanceTracker(), AcceptanceTracker()
+    for _ in range(200):
+        drafted = rng.randrange(0, 6)
+        accepted = rng.randrange(0, drafted + 1)
+        counted.update(drafted, accepted)
+        expected.update_expected([1.0] * accepted + [0.0] * (accepted < drafted))
+        assert expected.probs(6) == pytest.approx(counted.probs(6), rel=1e-12)
+    learned = AcceptanceTracker(prior=0.6, prior_weight=2.0, decay=0.9)
+    for _ in range(400):
+        learned.update_expected([0.3, 0.3 * 0.5, 0.3 * 0.5 * 0.8])
+    # settled decayed sums: x / (1 - decay) = 10 x per depth, reached with the parent's survival,
+    # shrunk toward the prior by its 2 pseudo-observations; depth 4 is never reached: the prior
+    reached, accepted = [10.0, 3.0, 1.5], [3.0, 1.5, 1.2]
+    settled = [(0.6 * 2.0 + a) / (2.0 + r) for a, r in zip(accepted, reached)] + [0.6]
+    assert learned.probs(4) == pytest.approx(settled, rel=1e-9)
+    assert settled[0] < 0.6 and settled[2] > 0.6  # each depth moves toward its own acceptance (0.3, 0.5, 0.8)
+    with pytest.raises(ValueError, match="increase"):
+        learned.update_expected([0.3, 0.5])
+    with pytest.raises(ValueError, match="probabilit"):
+        learned.update_expected([1.5])
+
+
+def test_blocks_the_scheduler_cuts_to_nothing_stop_the_drafting():
+    """Blocks whose confidences admit nothing are never verified, yet they say drafting does not pay:
+    the policy learns it from the confidences and plans plain steps (with back-off probes) instead of
+    paying the block forward every step."""
+    policy = AutoBudget(TABLE, max_budget=8, draft_ms_per_token=10.0, probe_every=4, max_probe_every=16)
+    seq = make_seq(ScoringStub(0, 0.1, default_budget=4), max_new_tokens=10_000)
+    plans = []
+    for _ in range(60):
+        plans.append(policy.plan([seq])[0])
+        if plans[-1]:
+            cut = policy.verify_prefixes([seq], [Draft.chain([5, 6, 7, 8], confidences=[0.02, 0.5, 0.5, 0.5])])
+            assert len(cut[0]) == 0  # only the root is verified
+        policy.observe(seq, 0, 0)
+    assert plans[0] == 4 and set(plans) == {0, 4}
+    first_plain = plans.index(0)
+    assert first_plain <= 4 and plans[first_plain:].count(4) <= 5, plans
+    assert policy._tracker(seq).probs(1)[0] < 0.2 and policy.population.probs(1)[0] < 0.5
+    # confident blocks, verified and accepted: drafting pays again
+    for _ in range(30):
+        cut = policy.verify_prefixes([seq], [Draft.chain([5, 6, 7, 8], confidences=[0.95, 0.9, 0.9, 0.9])])
+        policy.observe(seq, len(cut[0]), len(cut[0]))
+    assert policy.plan([seq]) == [4]

@@ -286,6 +286,11 @@ def test_tokens_per_ms_is_the_step_objective():
     rates = tokens_per_ms([0.8, 0.5, 0.25], table, 1.5, other_tokens=1)
     # T(2) = 14, T(3) = 17 (interpolated), T(4) = 20, T(5) = 23 (extrapolated)
     assert rates == pytest.approx([1 / 14.0, 1.8 / (1.5 + 17.0), 2.3 / (3.0 + 20.0), 2.55 / (4.5 + 23.0)], rel=1e-12)
+    # a block drafter's forward costs the same for any n > 0 (plain decoding pays nothing)
+    block = tokens_per_ms([0.8, 0.5], table, 0.0, other_tokens=1, draft_ms_per_step=6.0)
+    assert block == pytest.approx([1 / 14.0, 1.8 / (6.0 + 17.0), 2.3 / (6.0 + 20.0)], rel=1e-12)
+    assert choose_budget([0.8, 0.5], table, 0.0, 2, other_tokens=1, draft_ms_per_step=6.0) == 2
+    assert choose_budget([0.8, 0.5], table, 0.0, 2, other_tokens=1, draft_ms_per_step=30.0) == 0
 
 
 def _batch_objective(per_request, budgets, cost, draft_ms):
