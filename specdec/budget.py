@@ -12,6 +12,8 @@ The choosers maximise expected tokens per ms of the coming step over the measure
 
     one sequence:  (1 + s_1 + ... + s_n) / (n * draft_ms_per_node + T(other + n + 1))
     a batch:       (R + S_n) / (n * draft_ms + T(R + n)),  S_n = the n best scores of all R sequences
+    a block drafter's sequence in a batch of R (its forward costs the same for any n > 0):
+                   (R + s_1 + ... + s_n) / (draft_ms_per_block + T(R + n))  vs  R / T(R)
 
 (the batch walks positions best first and stops at the first that does not help: the
 scheduler of specdec.schedule, shared with drafters that score their own drafted positions).
@@ -58,18 +60,20 @@ def chain_path_scores(accept_probs_by_depth: Sequence[float]) -> list[float]:
 
 
 def tokens_per_ms(path_scores: Sequence[float], cost: CostTable, draft_ms_per_node: float, other_tokens: int = 0,
-                  draft_ms_per_step: float = 0.0) -> list[float]:
+                  draft_ms_per_step: float = 0.0, whole_forward: bool = False) -> list[float]:
     """rates[n] for n = 0..len(path_scores): expected tokens per ms of a step drafting the first n
     nodes, (1 + sum_{i<n} s_i) / (draft_ms_per_step + n * draft_ms_per_node + T(other_tokens + n + 1));
     rates[0] is plain decoding, 1 / T(other_tokens + 1). `other_tokens`: tokens of the other sequences
     in the forward; `draft_ms_per_step`: paid by any n > 0 (a block drafter's forward drafts its whole
-    block however much of it is verified)."""
+    block however much of it is verified). `whole_forward`: the other tokens are the other sequences'
+    roots and count too (numerators + other_tokens): the forward's throughput, which a draft slows for
+    every sequence in it, instead of this sequence's alone."""
     if draft_ms_per_node < 0 or draft_ms_per_step < 0:
         raise ValueError(f"draft time must be >= 0 ms, got {draft_ms_per_node} per node, {draft_ms_per_step} per step")
     if other_tokens < 0:
         raise ValueError(f"other_tokens must be >= 0, got {other_tokens}")
-    rates = [1.0 / cost.t(other_tokens + 1)]
-    expected_tokens = 1.0
+    expected_tokens = 1.0 + (other_tokens if whole_forward else 0)
+    rates = [expected_tokens / cost.t(other_tokens + 1)]
     for nodes, score in enumerate(path_scores, start=1):
         expected_tokens += score
         rates.append(expected_tokens / (draft_ms_per_step + nodes * draft_ms_per_node + cost.t(other_tokens + nodes + 1)))
@@ -83,6 +87,7 @@ def choose_budget(
     max_budget: int,
     other_tokens: int = 0,
     draft_ms_per_step: float = 0.0,
+    whole_forward: bool = False,
 ) -> int:
     """Draft nodes n in 0..min(max_budget, len(path_scores)) maximising `tokens_per_ms`.
 
@@ -93,7 +98,7 @@ def choose_budget(
     """
     check_int("max_budget", max_budget, 0)
     rates = tokens_per_ms(_check_descending("path_scores", path_scores)[:max_budget], cost, draft_ms_per_node, other_tokens,
-                          draft_ms_per_step)
+                          draft_ms_per_step, whole_forward)
     best = 0
     for nodes, rate in enumerate(rates):
         if rate > rates[best]:
@@ -361,9 +366,11 @@ class AutoBudget:
     def _block(self, seq, others: int) -> int:
         """A drafter that scores its own positions drafts its whole block (verify_prefixes then cuts
         it) when drafting is expected to pay at all, by the same estimates, probes and catch-up rule
-        as any other drafter (`_single`); otherwise nothing this step. The block forward costs its
-        time however little of the block is verified, so a drafter that is rarely accepted must not
-        draft every step (the cut alone only saves verify time)."""
+        as any other drafter (`_single`, with the block priced per step against the throughput of
+        the whole forward); otherwise nothing this step, and its drafter does no work (the target's
+        rows wait for the next block). The block forward costs its time however little of the block
+        is verified, so a drafter that is rarely accepted must not draft every step (the cut alone
+        only saves verify time)."""
         return self.max_budget_for(seq.drafter) if self._single(seq, others) > 0 else 0
 
     def _draft_prices(self, seq) -> tuple[float, float]:
@@ -378,7 +385,8 @@ class AutoBudget:
         limit = self.max_budget_for(seq.drafter)
         tracker = self._tracker(seq)
         per_node, per_step = self._draft_prices(seq)
-        chosen = choose_budget(tracker.path_scores(limit), self.cost, per_node, limit, others, per_step)
+        # the forward's throughput: a draft slows every sequence in it (the other rows: their roots)
+        chosen = choose_budget(tracker.path_scores(limit), self.cost, per_node, limit, others, per_step, whole_forward=True)
         if chosen > 0 and self.pays_back(seq, chosen, others):
             self._probe_interval[seq] = self.probe_every  # drafting pays: probe often if it stops paying
             self._idle_steps[seq] = 0
