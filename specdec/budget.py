@@ -21,6 +21,8 @@ scheduler of specdec.schedule, shared with drafters that score their own drafted
 For SAMPLED proposals the scores must come from pre-draft information (AcceptanceTracker, the
 cost table), never from the drafted tokens or their probabilities; scores computed from the
 drafter's own outputs are only allowed for deterministic proposals (top-k trees, n-gram matches).
+Earlier steps' drafts are pre-draft information for this one: the tracker of a confidence drafter
+learns from the confidences of blocks already verified (or cut), never of the block being planned.
 """
 
 from __future__ import annotations
