@@ -186,10 +186,10 @@ LOOP_TABLE = CostTable({}, [1, 2, 4, 8, 16, 64], [11.0, 12.0, 14.0, 18.0, 26.0, 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 
 
-def scheduled_policy():
+def scheduled_policy(table=LOOP_TABLE):
     # the tempered test drafter runs the target itself: its draft time says nothing about a real
-    # drafter's, so it is priced at zero to keep every step drafting (what these tests exercise)
-    return AutoBudget(LOOP_TABLE, max_budget=6, draft_ms_per_token=0.0)
+    # drafter's, so it is priced at zero to keep the steps drafting (what these tests exercise)
+    return AutoBudget(table, max_budget=6, draft_ms_per_token=0.0)
 
 
 @pytest.mark.slow
@@ -216,7 +216,10 @@ def test_sampled_tokens_through_the_scheduled_loop_follow_the_target(smollm2):
     prompt = smollm2.tokenizer.encode("My favourite colour is", add_special_tokens=False)  # short: prefill is most of the cost
     joint = exact_joint(smollm2, prompt, SamplingParams(**params), length=2)
     drafter = make_drafter("tempered", smollm2, gamma=2, draft_temperature=1.0)
-    policy = scheduled_policy()
+    # 16 rows share each step: a verified position costs 0.65 ms of a 26 ms step that commits 16 tokens,
+    # so it pays above survival 16 * 0.65 / 26 = 0.4 (admit's cut, and whether to draft at all: the
+    # prior 0.6 drafts), between the drafter's low (0.2) and high (0.9) confidences
+    policy = scheduled_policy(CostTable({}, [1, 2, 4, 8, 16, 64], [11.0, 12.0, 14.0, 18.0, 26.0, 57.2]))
     counts, verified = Counter(), Counter()
     for first_seed in range(0, 192, 16):
         batch = SpecBatch(smollm2, drafter, policy, max_batch=16, max_len=len(prompt) + 8)
