@@ -241,7 +241,9 @@ class AutoBudget:
       `max_probe_every`), and no probe is sent when its catch-up would cost more than a step;
     - a population prior: every sequence's outcomes feed one slow tracker whose depth-1
       estimate is the prior of new sequences, so a drafter that failed on earlier requests
-      under this policy (a server's lifetime, a bench method) starts cautious.
+      under this policy (a server's lifetime, a bench method) starts cautious; likewise a new
+      sequence starts at the probe interval the latest probe left (back to `probe_every` as soon as
+      any sequence's drafting pays), so such a drafter is not probed afresh by every request.
 
     A drafter that scores its own positions (`gives_confidences`, Draft.confidences) drafts its
     full block whenever drafting is expected to pay at all (the estimates, probes and catch-up rule
@@ -275,6 +277,7 @@ class AutoBudget:
         self._trackers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> tracker
         self._idle_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._probe_interval: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.population_probe_every = probe_every  # the probe interval a new sequence starts at
         self._draft_ms: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> ms per draft token
         self._last_draft_totals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._blocks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> this step's block confidences
@@ -390,13 +393,14 @@ class AutoBudget:
         # the forward's throughput: a draft slows every sequence in it (the other rows: their roots)
         chosen = choose_budget(tracker.path_scores(limit), self.cost, per_node, limit, others, per_step, whole_forward=True)
         if chosen > 0 and self.pays_back(seq, chosen, others):
-            self._probe_interval[seq] = self.probe_every  # drafting pays: probe often if it stops paying
+            # drafting pays: probe often if it stops paying (this sequence, and the ones that come next)
+            self._probe_interval[seq] = self.population_probe_every = self.probe_every
             self._idle_steps[seq] = 0
             return chosen
         idle = self._idle_steps.get(seq, 0) + 1
-        interval = self._probe_interval.get(seq, self.probe_every)
+        interval = self._probe_interval.setdefault(seq, self.population_probe_every)
         if idle >= interval and self.catch_up_ms(seq) <= self.cost.t(1):
-            self._probe_interval[seq] = min(2 * interval, self.max_probe_every)
+            self._probe_interval[seq] = self.population_probe_every = min(2 * interval, self.max_probe_every)
             idle = 0
             chosen = 1
         else:

@@ -96,6 +96,34 @@ def test_probes_back_off_and_skip_expensive_catch_up():
     assert sum(policy.plan([idle])[0] for _ in range(100)) == 0
 
 
+def test_new_sequences_start_at_the_probe_interval_the_population_reached():
+    """A drafter that never pays is not probed afresh by every new request: a new sequence starts at
+    the interval the latest probe left; once any sequence's drafting pays, new ones probe early again."""
+    policy = AutoBudget(TABLE, max_budget=8, probe_every=4, max_probe_every=16)
+    first = make_seq(StubDrafter(pending=0, cost_tokens=0.5), max_new_tokens=10_000)
+    for _ in range(60):
+        policy.observe(first, policy.plan([first])[0], 0)  # every draft rejected
+    assert policy.population_probe_every == 16
+    second = make_seq(StubDrafter(pending=0, cost_tokens=0.5), max_new_tokens=10_000)
+    probes = []
+    for step in range(40):
+        budget = policy.plan([second])[0]
+        if budget:
+            probes.append(step)
+        policy.observe(second, budget, 0)
+    assert probes[:2] == [15, 31], probes  # not at step 0 or after 4 idle steps, as the first sequence was
+    accepted = make_seq(StubDrafter(pending=0, cost_tokens=0.5), max_new_tokens=10_000)
+    for _ in range(20):
+        policy._tracker(accepted).update(4, 4)
+    assert policy.plan([accepted])[0] > 0 and policy.population_probe_every == 4
+    third = make_seq(StubDrafter(pending=0, cost_tokens=0.5), max_new_tokens=10_000)
+    plans = []
+    for _ in range(8):
+        plans.append(policy.plan([third])[0])
+        policy.observe(third, plans[-1], 0)
+    assert [step for step, budget in enumerate(plans) if budget][0] <= 4, plans
+
+
 def test_population_prior_makes_new_sequences_cautious():
     fresh = AutoBudget(TABLE, max_budget=8)
     assert fresh.plan([make_seq(StubDrafter(0, 0.2))])[0] > 0  # default prior 0.6: drafting pays
