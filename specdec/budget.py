@@ -422,9 +422,9 @@ class AutoBudget:
         self._update_draft_cost(seq)
 
     def _update_draft_cost(self, seq) -> None:
-        """EMA of draft ms per drafted token (verified or cut off by the scheduler) over steps. The first drafting step is skipped: it
-        includes one-off work (a draft model prefilling the whole prompt) that would otherwise
-        make drafting look far more expensive per token than it is."""
+        """EMA of draft ms per drafted token (verified or cut off by the scheduler) over steps. The
+        first drafting step is skipped: it includes one-off work (a draft model prefilling the whole
+        prompt) that would otherwise make drafting look far more expensive per token than it is."""
         time_s, drafted = seq.stats.time_draft_s, seq.stats.drafted_tokens + self._cut_tokens.get(seq, 0)
         last_time_s, last_drafted, steps_seen = self._last_draft_totals.get(seq, (0.0, 0, 0))
         if drafted <= last_drafted:
