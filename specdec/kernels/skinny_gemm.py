@@ -58,9 +58,10 @@ ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx2", "-mfma", "-mf16c"), "avx2": ("-ma
 # K-quants 64 weights per zmm (same results as the AVX2 maddubs sequence, fewer instructions)
 VNNI_FLAGS = ("-mavx512vnni", "-mavx512vl", "-mavx512bw")
 VNNI_CPU_FLAGS = {"avx512_vnni", "avx512vl", "avx512bw"}
-# ... and with AMX (Sapphire Rapids on): the multi-row a8 K-quant linears use int8 tiles (same bits)
-AMX_FLAGS = ("-mamx-tile", "-mamx-int8")
-AMX_CPU_FLAGS = {"amx_tile", "amx_int8"}
+# ... and with AMX (Sapphire Rapids on): the multi-row a8 K-quant linears use int8 tiles (same bits);
+# VBMI (every AMX CPU has it) for the byte permutes of the Q6_K tile decode
+AMX_FLAGS = ("-mamx-tile", "-mamx-int8", "-mavx512vbmi")
+AMX_CPU_FLAGS = {"amx_tile", "amx_int8", "avx512vbmi"}
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-math-errno")
 DEFAULT_SPIN_US = 50
 _FP32 = torch.float32
