@@ -194,6 +194,36 @@ def test_a8_bits_are_the_same_on_amx_vnni_and_avx2(name):
         library.set_amx(was_on)
 
 
+def test_q6_k_amx_planes_are_exact_at_the_extremes():
+    """Q6_K on AMX multiplies each quant by its sub-block scale in the decode and splits the int16
+    into a signed high and an unsigned low byte plane: the extremes (q - 32 = -32 or 31, scales
+    -128 / 127 / 0, activations at +-amax, so |w| up to 4096 and every low byte) keep the bits of
+    the VNNI and AVX2 kernels."""
+    library, avx2 = amx_library(), isa_backend("avx2")
+    avx512, was_on = isa_backend("avx512"), library.amx
+    rows, in_features = 19, 3 * 256
+    blocks = random_blocks("Q6_K", rows, in_features, seed=21).view(rows, -1, 210).clone()  # [N, K / 256, 210]
+    ql, qh, scales = blocks[..., :128], blocks[..., 128:192], blocks[..., 192:208]
+    ql[:6], qh[:6] = 0x00, 0x00  # q = 0: q - 32 = -32
+    ql[6:12], qh[6:12] = 0xFF, 0xFF  # q = 63: q - 32 = 31
+    scales[0::3] = torch.tensor(-128, dtype=torch.int8).view(torch.uint8)
+    scales[1::3] = 127
+    scales[2::3, :, ::2] = 0
+    x = torch.randn(16, in_features, generator=torch.Generator().manual_seed(22))  # [16, K]
+    x[:, ::5] = x.abs().amax(dim=1, keepdim=True) * torch.where(torch.arange(x.shape[1] // 5 + 1)[None] % 2 == 0, 1.0, -1.0)
+    blocks = blocks.reshape(rows, -1)
+    layers = [GGUFLinear(blocks, KERNEL_TYPES["Q6_K"], in_features, None, b, activations="int8") for b in (avx512, avx2)]
+    try:
+        for num_rows in (5, 8, 16):
+            library.set_amx(True, min_rows=1)
+            on_amx = layers[0](x[:num_rows])  # [num_rows, 19]
+            library.set_amx(False)
+            assert torch.equal(on_amx, layers[0](x[:num_rows])), f"AMX != VNNI at {num_rows} rows"
+            assert torch.equal(on_amx, layers[1](x[:num_rows])), f"AMX != AVX2 at {num_rows} rows"
+    finally:
+        library.set_amx(was_on)
+
+
 def test_amx_switch_turns_the_tiles_off():
     import subprocess
     import sys
