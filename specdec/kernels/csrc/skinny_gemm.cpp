@@ -1305,7 +1305,7 @@ void amx_scales(const uint8_t* block, __m512i offsets, __mmask16 rows, AmxScales
 // Output columns [16 tile_begin, 16 tile_end) for every row. kMp: activation rows per B tile.
 // Steps = (tile, K-chunk) in order; the weights of step s + 1 are decoded (into the other of two
 // buffers) before the tiles of step s run, so the tile loads never wait for just-stored bytes,
-// and the blocks of step s + 2 are prefetched.
+// and the blocks 1024 weights ahead are prefetched (2 steps; Q6_K 4).
 //
 // Q6_K (`kPlanes`) has a scale per 16 weights: split per sub-block, its tile products would cover
 // only 16-32 bytes of K each, and every product would need its own scale multiply (twice the work of
@@ -1358,12 +1358,9 @@ void amx_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
       return _mm512_permutex2var_epi32(sc.sc[2 * q], pick[j], sc.sc[2 * q + 1]);
     }
   };
-  // Q6_K planes: byte k of 64; bytes k of (even, odd) int16 lanes in natural order: the high / low byte of lane k / 2 of even (k even) or odd
+  // Q6_K planes: byte k of a 64-weight vector, for the index of its sub-block scale
   [[maybe_unused]] const __m512i byte_index = _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32,
                                                               31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  [[maybe_unused]] const __m512i low_bytes = _mm512_add_epi8(_mm512_and_si512(byte_index, _mm512_set1_epi8(0x3e)),
-                                                             _mm512_and_si512(_mm512_slli_epi16(byte_index, 6), _mm512_set1_epi8(0x40)));
-  [[maybe_unused]] const __m512i high_bytes = _mm512_add_epi8(low_bytes, _mm512_set1_epi8(1));
   const __m512i row_offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                  _mm512_set1_epi32((int)job.row_bytes));
   struct Step {
@@ -1391,7 +1388,7 @@ void amx_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
           const __m512i sc = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(block + 192)));
 #pragma GCC unroll 4
           for (int pair = 0; pair < 4; ++pair) {  // 64 weights: q in [0, 63] at byte k, sub-block 4 pair + k / 16
-            // int16 lane i covers bytes 2i, 2i + 1: (sc, 0) and (0, sc) of their sub-block 4 pair + i / 8
+            // int16 lane i covers bytes 2i, 2i + 1 of sub-block 4 pair + i / 8: its scale as (sc, 0) and (0, sc)
             const __m512i index = _mm512_add_epi8(_mm512_set1_epi8((char)(4 * pair)), _mm512_srli_epi16(_mm512_and_si512(byte_index, _mm512_set1_epi8(0x30)), 4));
             const __m512i even_sc = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, index, sc);
             const __m512i odd_sc = _mm512_slli_epi16(even_sc, 8);
@@ -1399,7 +1396,7 @@ void amx_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
             const __m512i q = Fmt::quants64(block, pair);
             const __m512i even = _mm512_sub_epi16(_mm512_maddubs_epi16(q, even_sc), sc32);  // (q - 32) sc of bytes 2i
             const __m512i odd = _mm512_sub_epi16(_mm512_maddubs_epi16(q, odd_sc), sc32);    // ... of bytes 2i + 1
-            const __m512i low_byte = _mm512_set1_epi16(0xff);  // natural order: byte 2i from even, 2i + 1 from odd
+            const __m512i low_byte = _mm512_set1_epi16(0xff);  // the planes in natural order: byte 2i from even, 2i + 1 from odd
             _mm512_store_si512((void*)(out + 64 * pair), _mm512_ternarylogic_epi32(_mm512_srli_epi16(even, 8), odd, low_byte, 0xe4));
             _mm512_store_si512((void*)(out + kChunk + 64 * pair), _mm512_ternarylogic_epi32(even, _mm512_slli_epi16(odd, 8), low_byte, 0xe4));
           }
