@@ -772,3 +772,29 @@ def test_train_dtype_auto_is_bf16_on_cuda_and_on_cpus_with_native_bf16():
     native = bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
     assert default_train_dtype("cpu") == ("bf16" if native else "fp32")
     assert default_train_dtype("cuda:0") == "bf16"
+
+
+def test_crop_window_keeps_the_answer_rows(counter):
+    """A long prompt with a short answer is cropped to the answer and the prompt tokens right before
+    it (a uniform window would often hold none of the answer: a step spent on rows that never count);
+    a long answer gets windows inside it; `prompt_rows` (every row counts) keeps uniform windows."""
+    from specdec.train.data import Sample
+    from specdec.train.trainer import crop_start, make_batch
+
+    def sample(prompt: int, answer: int) -> Sample:
+        length = prompt + answer
+        return Sample(tokens=torch.arange(length) % 50, hidden={1: torch.zeros(length, 4)}, num_prompt_tokens=prompt,
+                      target_next=torch.arange(length) % 50)
+
+    generator = torch.Generator().manual_seed(0)
+    rag = sample(prompt=700, answer=100)
+    for _ in range(20):
+        batch = make_batch([rag], 1, 512, generator, torch.device("cpu"))
+        assert int(batch.lengths[0]) == 512 and int(batch.positions[0, -1]) == 799  # ends at the answer's end
+        assert int(batch.answer_start[0]) == 700 - 288  # the whole answer is inside the window
+    long_answer = sample(prompt=50, answer=1000)
+    starts = {crop_start(long_answer, 256, generator) for _ in range(50)}
+    assert min(starts) >= 49 and max(starts) <= 1050 - 256 and len(starts) > 10
+    uniform = {crop_start(rag, 512, generator, prompt_rows=True) for _ in range(50)}
+    assert min(uniform) < 100 and len(uniform) > 10
+    assert crop_start(sample(prompt=10, answer=20), 512, generator) == 0  # fits: no crop

@@ -112,7 +112,7 @@ def _add_common_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--softmax-negatives", type=int, default=0, metavar="N",
                         help="sampled softmax: normalise the loss over the data's label tokens + N random other ids "
                              "per step (much cheaper steps on CPU; 0 = full vocabulary; eval always uses the full one)")
-    parser.add_argument("--max-seq-len", type=int, default=512, help="longer samples are cropped to a random window")
+    parser.add_argument("--max-seq-len", type=int, default=512, help="longer samples are cropped to a window that keeps the answer (with the prompt tokens right before it; a random window inside a longer answer, anywhere with --prompt-rows)")
     parser.add_argument("--warmup-steps", type=int, default=20)
     parser.add_argument("--head-decay", type=float, default=0.8, help="loss weight of head k is decay^(k-1)")
     parser.add_argument("--feature-weight", type=float, default=None,

@@ -123,19 +123,33 @@ class TrainResult:
 
 
 # ----------------------------------------------------------------------------- batches and labels
+def crop_start(sample: Sample, max_seq_len: int, generator: torch.Generator, prompt_rows: bool = False) -> int:
+    """Where a sample longer than max_seq_len is cropped: a window that holds as many rows the loss
+    can use as fits. Without `prompt_rows` those are the answer's: an answer that fits is kept whole
+    with the prompt tokens right before it (a uniformly random window over a 700-token RAG prompt
+    and a 100-token answer would hold on average less than half of the answer, often none of it,
+    and the step would be spent on context rows); a longer answer gets a random window inside it.
+    With `prompt_rows` every row counts: a uniformly random window."""
+    length = sample.tokens.shape[0]
+    if length <= max_seq_len:
+        return 0
+    last_start = length - max_seq_len
+    # row num_prompt_tokens - 1 predicts the first answer token, so the window may start there
+    first_start = 0 if prompt_rows else min(max(0, sample.num_prompt_tokens - 1), last_start)
+    return int(torch.randint(first_start, last_start + 1, (1,), generator=generator))
+
+
 def make_batch(samples: list[Sample], layers: int | tuple[int, ...], max_seq_len: int, generator: torch.Generator, device,
-               top_layer: int | None = None) -> Batch:
-    """Right-padded batch; a sample longer than max_seq_len is cropped to a random window.
+               top_layer: int | None = None, prompt_rows: bool = False) -> Batch:
+    """Right-padded batch; a sample longer than max_seq_len is cropped to a window (`crop_start`:
+    the answer's rows first, or anywhere with `prompt_rows`).
     `hidden` holds `layers` concatenated in order (EAGLE-3 fuses three). `top_layer` also fills
     `top_hidden` (the feature loss's targets, the target's distribution for EAGLE-3)."""
     layers = (layers,) if isinstance(layers, int) else tuple(layers)
     rows = []
     for sample in samples:
-        length = sample.tokens.shape[0]
-        start = 0
-        if length > max_seq_len:
-            start = int(torch.randint(0, length - max_seq_len + 1, (1,), generator=generator))
-        rows.append((sample, start, min(length, start + max_seq_len)))
+        start = crop_start(sample, max_seq_len, generator, prompt_rows)
+        rows.append((sample, start, min(sample.tokens.shape[0], start + max_seq_len)))
     width = max(stop - start for _, start, stop in rows)
     hidden_size = rows[0][0].hidden[layers[-1]].shape[1]
     tokens = torch.zeros(len(rows), width, dtype=torch.long)
@@ -559,7 +573,8 @@ def train(
             generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
             picks = torch.randint(0, len(train_samples), (settings.batch_size,), generator=generator).tolist()
             batch = make_batch([train_samples[i] for i in picks], heads.input_layers, settings.max_seq_len, generator, device,
-                               top_layer=target.num_layers if settings.feature_weight > 0 or heads.reads_target_distribution else None)
+                               top_layer=target.num_layers if settings.feature_weight > 0 or heads.reads_target_distribution else None,
+                               prompt_rows=settings.prompt_rows)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.dtype == "bf16"):
                 loss, correct, counted = heads_loss(heads, batch, parts, settings, generator, vocab)
             optimizer.zero_grad(set_to_none=True)
