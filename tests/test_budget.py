@@ -76,15 +76,21 @@ def test_catch_up_cost_decides_whether_to_start_drafting():
     assert AutoBudget(TABLE, max_budget=8).plan([few_left])[0] == 0
 
 
-def test_probes_back_off_and_skip_expensive_catch_up():
-    policy = AutoBudget(TABLE, max_budget=8, probe_every=4, max_probe_every=16)
-    seq = make_seq(StubDrafter(pending=0, cost_tokens=0.5), max_new_tokens=10_000)
+def rejected_probe_steps(policy: AutoBudget, seq, steps: int) -> list[int]:
+    """The steps at which `policy` drafts for `seq` when every draft is rejected."""
     probes = []
-    for step in range(120):
+    for step in range(steps):
         budget = policy.plan([seq])[0]
         if budget:
             probes.append(step)
-        policy.observe(seq, budget, 0)  # every draft is rejected
+        policy.observe(seq, budget, 0)
+    return probes
+
+
+def test_probes_back_off_and_skip_expensive_catch_up():
+    policy = AutoBudget(TABLE, max_budget=8, probe_every=4, max_probe_every=16)
+    seq = make_seq(StubDrafter(pending=0, cost_tokens=0.5), max_new_tokens=10_000)
+    probes = rejected_probe_steps(policy, seq, 120)
     assert probes[0] == 0  # the prior (0.6) says a single-token draft pays; one rejection says no
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == [4, 8] + [16] * (len(gaps) - 2) and len(gaps) >= 6
@@ -105,12 +111,7 @@ def test_new_sequences_start_at_the_probe_interval_the_population_reached():
         policy.observe(first, policy.plan([first])[0], 0)  # every draft rejected
     assert policy.population_probe_every == 16
     second = make_seq(StubDrafter(pending=0, cost_tokens=0.5), max_new_tokens=10_000)
-    probes = []
-    for step in range(40):
-        budget = policy.plan([second])[0]
-        if budget:
-            probes.append(step)
-        policy.observe(second, budget, 0)
+    probes = rejected_probe_steps(policy, second, 40)
     assert probes[:2] == [15, 31], probes  # not at step 0 or after 4 idle steps, as the first sequence was
     accepted = make_seq(StubDrafter(pending=0, cost_tokens=0.5), max_new_tokens=10_000)
     for _ in range(20):

@@ -774,7 +774,7 @@ def test_train_dtype_auto_is_bf16_on_cuda_and_on_cpus_with_native_bf16():
     assert default_train_dtype("cuda:0") == "bf16"
 
 
-def test_crop_window_keeps_the_answer_rows(counter):
+def test_crop_window_keeps_the_answer_rows():
     """A long prompt with a short answer is cropped to the answer and the prompt tokens right before
     it (a uniform window would often hold none of the answer: a step spent on rows that never count);
     a long answer gets windows inside it; `prompt_rows` (every row counts) keeps uniform windows."""
