@@ -71,3 +71,22 @@ def test_frozen_parts_of_a_tied_target_hold_one_dense_matrix(weights):
     lm_head = target.model.lm_head
     dense = lm_head.fp32_weight() if hasattr(lm_head, "fp32_weight") else lm_head.weight
     assert torch.equal(parts.lm_head_weight, dense)
+
+
+def test_a_bf16_lm_head_gives_autocast_the_same_logits_and_gradients(smollm2):
+    """Training in bf16 keeps one bf16 copy of the frozen LM head (trainer): under autocast the logits
+    and the readout's gradient are bitwise what the fp32 head re-cast on every call gives."""
+    from specdec.heads import FrozenTargetParts
+
+    parts = FrozenTargetParts.from_target(smollm2).to(dtype=torch.float32)
+    bf16 = parts.with_lm_head_dtype(torch.bfloat16)
+    assert bf16.lm_head_weight.dtype == torch.bfloat16 and bf16.embed_weight.dtype == torch.float32
+    readout = torch.randn(5, parts.lm_head_weight.shape[1], generator=torch.Generator().manual_seed(0))
+    results = []
+    for frozen in (parts, bf16):
+        x = readout.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = frozen.lm_head(x)
+        logits.float().logsumexp(-1).sum().backward()
+        results.append((logits, x.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

@@ -78,6 +78,11 @@ class FrozenTargetParts:
         """The same parts with an LM head over `token_ids` only (logits [..., len(token_ids)])."""
         return replace(self, lm_head_weight=self.lm_head_weight.index_select(0, token_ids))
 
+    def with_lm_head_dtype(self, dtype: torch.dtype) -> FrozenTargetParts:
+        """The same parts with the LM head stored in `dtype` (a copy; the embeddings stay as they are):
+        under autocast to that dtype the logits and gradients are the same, without a cast per call."""
+        return replace(self, lm_head_weight=self.lm_head_weight.to(dtype))
+
     def to(self, device=None, dtype=None) -> FrozenTargetParts:
         move = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
         return replace(self, embed_weight=move(self.embed_weight), lm_head_weight=move(self.lm_head_weight),

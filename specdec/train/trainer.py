@@ -517,6 +517,10 @@ def train(
     out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device(settings.device)
     parts = FrozenTargetParts.from_target(target).to(device, torch.float32)
+    if settings.dtype == "bf16":
+        # autocast would re-cast the frozen [V, H] LM head to bf16 on every forward (it caches casts
+        # of trainable weights only): ~17 % of a 1.5B EAGLE-1 step on CPU. The same bf16 copy, once.
+        parts = parts.with_lm_head_dtype(torch.bfloat16)
     heads.to(device=device, dtype=torch.float32).train()
     train_samples, eval_samples = split_samples(samples, settings.eval_fraction)
     # the draft vocabulary (EAGLE-3's LM head, DSpark's loss vocabulary), before the optimizer; on
