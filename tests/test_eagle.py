@@ -22,6 +22,7 @@ from specdec.heads import FrozenTargetParts, eagle3_layers, target_description
 from specdec.heads.export import export_eagle3, export_medusa
 from specdec.loop import run
 from specdec.train import DataSettings, TrainSettings, build_dataset, build_heads, load_samples, save_checkpoint, train
+from specdec.train.trainer import chain_starts, label_rows, make_batch
 
 DRAFTERS = {"eagle1": Eagle1Drafter, "eagle3": Eagle3Drafter}
 DRAFT_VOCAB = 16  # EAGLE-3's reduced vocabulary on the 24-token counter
@@ -90,6 +91,46 @@ def test_training_pass_matches_the_drafting_computation(counter, eagle_data, kin
             token, position = tokens[:, p + depth : p + depth + 1], torch.tensor([[p + depth - 1]])
             previous = module.step(previous, token, position, cache, parts)
             assert torch.allclose(previous[0, 0], trained_view[depth - 1, 0, p], atol=1e-4), (p, depth)
+
+
+@pytest.mark.parametrize("kind", [*DRAFTERS, "mtp-sequential"])
+def test_computing_only_the_read_rows_gives_their_features_and_gradients(counter, eagle_data, kind):
+    """Training computes only the chain starts its loss rows read (every position still gives its
+    depth-1 keys): those rows' features and the parameters' gradients are the full pass's, the rest
+    are zeros; leaving the other positions' keys out is caught."""
+    parts = FrozenTargetParts.from_target(counter)
+    torch.manual_seed(1)
+    module = build_heads(kind, counter, 3)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    _, samples = load_samples(eagle_data, [0, 1, 2, 3], counter)
+    batch = make_batch(samples[:2], module.input_layers, 64, torch.Generator().manual_seed(0), torch.device("cpu"))
+    rows, _ = label_rows(batch, 3)
+    rows = rows[torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(2))[:40]]  # a few loss rows
+    read = chain_starts(batch, rows, 3)  # [D, B, T]
+    assert (read[1:] <= read[:-1]).all() and (read[1] < read[0]).any() and (read[2] < read[1]).any()
+    assert 0 < int(read[0].sum()) < int((batch.tokens > 0).sum()) // 2
+    weights = torch.randn(3, *batch.tokens.shape, counter.hidden_size) * read[..., None]  # a loss over the read rows
+
+    def run_pass(read_rows):
+        module.zero_grad()
+        features = module(batch.hidden, batch.tokens, batch.positions, parts, read_rows=read_rows)  # [D, B, T, H]
+        (features * weights).sum().backward()
+        return features.detach(), {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
+
+    full, full_grads = run_pass(None)
+    only, only_grads = run_pass(read)
+    assert only.shape == full.shape and not only[~read].any()
+    scale = full.abs().max()
+    torch.testing.assert_close(only[read], full[read], rtol=1e-4, atol=1e-5 * scale)
+    assert full_grads.keys() == only_grads.keys()
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(only_grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().clamp(min=1e-6), msg=name)
+    # the read rows without the earlier positions' keys are a different computation
+    first = int(read[0].any(0).nonzero()[0])
+    alone = module(batch.hidden[:, first:], batch.tokens[:, first:], batch.positions[:, first:], parts)
+    assert not torch.allclose(alone[read[:, :, first:]], full[read], rtol=1e-3, atol=1e-3 * scale)
 
 
 def test_eagle3_draft_vocabulary_is_the_most_frequent_labels_sorted(counter, eagle_data, trained):

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checks import check_positive_int
-from ..models.llama import MLP, Attention, Block, RMSNorm, block_flags
+from ..models.llama import MLP, Attention, Block, RMSNorm, block_flags, packed_linear
 from .modules import ChainedModule, FrozenTargetParts, dense_state_dict, register_head_type
 
 DEFAULT_EAGLE3_VOCAB = 32000  # draft vocabulary size of the published EAGLE-3 drafters
@@ -83,9 +83,14 @@ class Eagle1Module(ChainedModule):
                 if output.bias is not None:
                     output.bias.zero_()
 
-    def layer(self, previous, next_tokens, cos, sin, cache, mask, parts) -> torch.Tensor:
+    @property
+    def decoder(self) -> nn.Module:
+        return self.block
+
+    def attention_input(self, previous, next_tokens, parts, rows=None):
         embeds = parts.embed(next_tokens).to(previous.dtype)  # [B, T, H]
-        return self.block(self.fc(torch.cat([embeds, previous], dim=-1)), cos, sin, cache, 0, mask)
+        residual = packed_linear(self.fc, torch.cat([embeds, previous], dim=-1), rows)  # [B, T, H]
+        return self.block.input_layernorm(residual), residual
 
     def readout(self, features, parts):
         return features  # a predicted top-layer feature (after the target's final norm)
@@ -107,10 +112,8 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, embeds, state, cos, sin, cache, mask) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(state)], dim=-1)  # [B, T, 2H], embeddings first
-        state = state + self.self_attn(x, cos, sin, cache, 0, mask)  # residual: the un-normed state
-        return state + self.mlp(self.post_attention_layernorm(state))
+    def attention_input(self, embeds, state) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(state)], dim=-1)  # [B, T, 2H], embeddings first
 
 
 @register_head_type
@@ -215,15 +218,29 @@ class Eagle3Module(ChainedModule):
     def first_state(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.fc(hidden)  # [..., 3H] -> [..., H]
 
-    def layer(self, previous, next_tokens, cos, sin, cache, mask, parts) -> torch.Tensor:
+    @property
+    def decoder(self) -> nn.Module:
+        return self.midlayer
+
+    def attention_input(self, previous, next_tokens, parts, rows=None):
         embeds = parts.embed(next_tokens).to(previous.dtype)  # [B, T, H]: the target's embeddings
-        return self.midlayer(embeds, previous, cos, sin, cache, mask)
+        return self.midlayer.attention_input(embeds, previous), previous  # residual: the un-normed state
 
     def readout(self, features, parts):
         return self.norm(features)
 
     def project(self, features, parts) -> torch.Tensor:
         return self.lm_head(self.norm(features))  # [..., V'] over the draft vocabulary
+
+    def target_rows(self, parts: FrozenTargetParts) -> torch.Tensor:
+        """The target's LM-head rows of the draft vocabulary [V', H], gathered once per (head, vocabulary)
+        instead of every step (a [32000, H] copy)."""
+        key = (parts.lm_head_weight.data_ptr(), parts.lm_head_weight.dtype, self.d2t.data_ptr(), self.d2t._version)
+        cached = getattr(self, "_target_rows", None)
+        if cached is None or cached[0] != key:
+            cached = (key, parts.lm_head_weight[self.draft_ids])
+            self._target_rows = cached
+        return cached[1]
 
     def token_loss(self, readout, labels, parts, target_top):
         """Cross-entropy against the target's distribution restricted to the draft vocabulary
@@ -232,7 +249,8 @@ class Eagle3Module(ChainedModule):
             raise ValueError("eagle3 training needs the target's top-layer hidden states in the batch (its distribution)")
         ids = self.draft_ids
         with torch.no_grad():
-            target_probs = F.softmax(F.linear(target_top.to(parts.lm_head_weight.dtype), parts.lm_head_weight[ids]).float(), -1)
+            target_rows = self.target_rows(parts)  # [V', H]
+            target_probs = F.softmax(F.linear(target_top.to(target_rows.dtype), target_rows).float(), -1)
         log_q = F.log_softmax(self.lm_head(readout).float(), dim=-1)  # [N, V']
         per_row = -(target_probs * log_q).sum(-1)  # [N]
         return per_row, ids[log_q.argmax(-1)] == labels

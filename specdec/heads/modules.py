@@ -38,7 +38,7 @@ from torch import nn
 
 from ..checks import check_int, check_positive_int
 from ..kv_cache import KVCache
-from ..models.llama import Block, RMSNorm, block_flags, rms_norm, rope_inv_freq, rotary_cos_sin
+from ..models.llama import Block, PackedRows, RMSNorm, block_flags, packed_linear, rms_norm, rope_inv_freq, rotary_cos_sin
 
 LABEL_CONVENTION = "head position k (1..K) at position t predicts token t + k + 1"
 
@@ -245,6 +245,8 @@ class DraftHeads(nn.Module):
     reads_target_distribution: ClassVar[bool] = False
     # drafts a block per anchor (DFlash): forward(..., anchors=[B, A]) computes only those positions' rows
     trains_on_anchors: ClassVar[bool] = False
+    # forward(..., read_rows=[K, B, T] bool) computes only the rows the caller reads (the trainer's loss rows)
+    computes_read_rows: ClassVar[bool] = False
 
     @property
     def greedy_path_from(self) -> int:
@@ -396,16 +398,18 @@ class MTPParallelHeads(DraftHeads):
 
 
 class ChainedModule(DraftHeads):
-    """One module chained D times on its own outputs (MTP sequential, EAGLE-1, EAGLE-3).
+    """One decoder layer chained D times on its own outputs (MTP sequential, EAGLE-1, EAGLE-3).
 
     Depth 1 reads the target's hidden state at position p (after `first_state`) and token p + 1
     (committed when it drafts); depth d reads the module's own depth d - 1 output and token
-    p + d. Subclasses give `layer(previous, next_tokens, cos, sin, cache, mask, parts)` -> the new
-    state [B, T, H] and `readout`. Inference keeps one KV slot over the committed positions
-    (depth-1 keys, computed once when they are verified) plus the draft being built.
+    p + d. Subclasses give `attention_input(previous, next_tokens, parts)` -> (the attention's
+    input, the residual stream), `decoder` (the layer: self_attn, post_attention_layernorm, mlp)
+    and `readout`. Inference keeps one KV slot over the committed positions (depth-1 keys,
+    computed once when they are verified) plus the draft being built.
     """
 
     tokens_read_ahead = 1
+    computes_read_rows = True
 
     def __init__(self, target_config, input_layer: int, depth: int):
         super().__init__(input_layer=input_layer, num_positions=depth)
@@ -421,28 +425,68 @@ class ChainedModule(DraftHeads):
         """The target's hidden rows [..., H_in] -> the state depth 1 reads [..., H] (identity here)."""
         return hidden
 
-    def layer(self, previous, next_tokens, cos, sin, cache, mask, parts) -> torch.Tensor:
+    @property
+    def decoder(self) -> nn.Module:
         raise NotImplementedError
 
-    def forward(self, hidden, tokens, positions, parts) -> torch.Tensor:
+    def attention_input(self, previous: torch.Tensor, next_tokens: torch.Tensor, parts: FrozenTargetParts,
+                        rows: PackedRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the attention's input [B, T, H_in], the residual stream [B, T, H]); with `rows`, only those
+        rows' linears are computed (the others are zeros)."""
+        raise NotImplementedError
+
+    def layer(self, previous, next_tokens, cos, sin, cache, mask, parts, rows: PackedRows | None = None,
+              key_rows: PackedRows | None = None) -> torch.Tensor:
+        """One pre-norm decoder layer on (previous, next_tokens) -> the new state [B, T, H].
+
+        `rows`: compute only these rows' outputs; `key_rows`: write keys for these (None: all rows)."""
+        x, residual = self.attention_input(previous, next_tokens, parts, key_rows)
+        attention, decoder = self.decoder.self_attn, self.decoder
+        keys, values = attention.write_keys(x, cos, sin, cache, 0, key_rows)
+        state = residual + attention.attend(x, cos, sin, keys, values, mask, rows)
+        return state + decoder.mlp(decoder.post_attention_layernorm(state), rows)
+
+    def forward(self, hidden, tokens, positions, parts, read_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Unrolled over depths exactly as drafting runs it ("train-time test").
 
         Depth d at chain start p sits at position p + d - 1, reads tokens[p + d] and the depth d - 1
         output at p, and attends to the depth-1 keys of positions <= p (what the drafter's cache
         holds: committed positions) plus its own chain's keys of depths 2..d.
+
+        `read_rows` [D, B, T] bool: the chain starts whose depth-d features the caller reads (the
+        trainer's loss rows; a chain read at depth d must be read or computed at every depth before:
+        `read_rows[d]` within `read_rows[d - 1]`). Only those rows are computed at each depth; every
+        position still gives its depth-1 keys (context), and the other features are zeros. A prompt
+        the loss skips, a batch's padding and the rows no loss row reads cost ~nothing: the positions
+        before the first read row of any sequence give keys and nothing else.
         """
-        batch, num_new, _ = hidden.shape
-        keys = KeysOfThisPass()
+        state = self.first_state(hidden)  # [B, T, H]
+        keys, context = KeysOfThisPass(), 0
+        if read_rows is not None:
+            first_read = read_rows[0].any(0).nonzero()
+            context = int(first_read[0]) if first_read.numel() else 0
+            if context:
+                cos, sin = self.rope(positions[:, :context], state.dtype)
+                x, _ = self.attention_input(state[:, :context], tokens[:, 1 : context + 1], parts)
+                self.decoder.self_attn.write_keys(x, cos, sin, keys, 0)
+                state, tokens, positions = state[:, context:], tokens[:, context:], positions[:, context:]
+            read_rows = read_rows[:, :, context:]  # [D, B, T - C]
+        batch, num_new, _ = state.shape
         eye = torch.eye(num_new, dtype=torch.bool, device=hidden.device)
-        causal = torch.ones_like(eye).tril()  # [T, T]
-        previous, features = self.first_state(hidden), []
+        causal = torch.ones(num_new, context + num_new, dtype=torch.bool, device=hidden.device).tril(context)
+        features = []
         for depth in range(1, self.num_positions + 1):
+            rows = None if read_rows is None else PackedRows(read_rows[depth - 1])
             next_tokens = F.pad(tokens[:, depth:], (0, depth))  # [B, T]: token p + depth (0 past the end)
-            cos, sin = self.rope(positions + depth - 1, previous.dtype)
-            mask = torch.cat([causal] + [eye] * (depth - 1), dim=1)[None, None]  # [1, 1, T, depth * T]
-            previous = self.layer(previous, next_tokens, cos, sin, keys, mask, parts)
-            features.append(previous)
-        return torch.stack(features)  # [D, B, T, H]
+            cos, sin = self.rope(positions + depth - 1, state.dtype)
+            mask = torch.cat([causal] + [eye] * (depth - 1), dim=1)[None, None]  # [1, 1, T, C + depth * T]
+            # depth 1's keys are every later row's context; deeper keys are read only by their own chain
+            state = self.layer(state, next_tokens, cos, sin, keys, mask, parts, rows, None if depth == 1 else rows)
+            features.append(state)
+        features = torch.stack(features)  # [D, B, T - C, H]
+        if read_rows is None:
+            return features
+        return F.pad(features * read_rows[..., None], (0, 0, context, 0))  # [D, B, T, H]
 
     # ---- inference: one KV slot, committed positions (depth 1) + the draft being built
     def new_cache(self, max_len: int, dtype: torch.dtype, device) -> KVCache:
@@ -492,13 +536,19 @@ class MTPSequentialModule(ChainedModule):
                 if output.bias is not None:
                     output.bias.zero_()
 
-    def combine(self, previous: torch.Tensor, next_tokens: torch.Tensor, parts: FrozenTargetParts) -> torch.Tensor:
+    def combine(self, previous: torch.Tensor, next_tokens: torch.Tensor, parts: FrozenTargetParts,
+                rows: PackedRows | None = None) -> torch.Tensor:
         """proj([RMSNorm(previous hidden); RMSNorm(embedding of the next token)]) -> [..., H]."""
         embeds = parts.embed(next_tokens).to(previous.dtype)  # [..., H]
-        return self.proj(torch.cat([self.hidden_norm(previous), self.embed_norm(embeds)], dim=-1))
+        return packed_linear(self.proj, torch.cat([self.hidden_norm(previous), self.embed_norm(embeds)], dim=-1), rows)
 
-    def layer(self, previous, next_tokens, cos, sin, cache, mask, parts) -> torch.Tensor:
-        return self.block(self.combine(previous, next_tokens, parts), cos, sin, cache, 0, mask)
+    @property
+    def decoder(self) -> nn.Module:
+        return self.block
+
+    def attention_input(self, previous, next_tokens, parts, rows=None):
+        residual = self.combine(previous, next_tokens, parts, rows)  # [B, T, H]
+        return self.block.input_layernorm(residual), residual
 
     def readout(self, features, parts):
         return parts.final_norm(features)

@@ -74,16 +74,29 @@ class Attention(nn.Module):
         self.kernels = TorchLinear()  # attention backend; load_native swaps in the batch-invariant kernel's
 
     def forward(self, x, cos, sin, cache: KVCache, layer_slot: int, mask, rows: "PackedRows | None" = None):
-        batch, num_new, _ = x.shape  # x: [B, T, H]
-        q = _packed(self.q_proj, x, rows).view(batch, num_new, self.num_heads, self.head_dim)
-        k = _packed(self.k_proj, x, rows).view(batch, num_new, self.num_kv_heads, self.head_dim)
-        v = _packed(self.v_proj, x, rows).view(batch, num_new, self.num_kv_heads, self.head_dim)
+        keys, values = self.write_keys(x, cos, sin, cache, layer_slot, rows)  # [B, H_kv, S, D]
+        return self.attend(x, cos, sin, keys, values, mask, rows)
+
+    def write_keys(self, x, cos, sin, cache: KVCache, layer_slot: int, rows: "PackedRows | None" = None):
+        """Write x's [B, T, H] rotated keys / values into the cache; returns all of the slot's
+        (keys, values) [B, H_kv, S, D]."""
+        batch, num_new, _ = x.shape
+        k = packed_linear(self.k_proj, x, rows).view(batch, num_new, self.num_kv_heads, self.head_dim)
+        v = packed_linear(self.v_proj, x, rows).view(batch, num_new, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.kernels.rotary(q, cos, sin), self.kernels.rotary(k, cos, sin)  # [B, heads, T, D]
-        keys, values = cache.write(layer_slot, k, v.transpose(1, 2))  # [B, H_kv, S, D]
-        out = self.kernels.attention(q, keys, values, mask)  # [B, heads, T, D]
-        return _packed(self.o_proj, out.transpose(1, 2).reshape(batch, num_new, -1), rows)
+            k = self.k_norm(k)
+        return cache.write(layer_slot, self.kernels.rotary(k, cos, sin), v.transpose(1, 2))
+
+    def attend(self, x, cos, sin, keys, values, mask, rows: "PackedRows | None" = None) -> torch.Tensor:
+        """x's queries [B, T, H] over (keys, values) -> the attention output after o_proj [B, T, H].
+        Apart from write_keys, a pass can give keys for more rows than it computes outputs for (a
+        drafter's training: prompt rows only as context)."""
+        batch, num_new, _ = x.shape
+        q = packed_linear(self.q_proj, x, rows).view(batch, num_new, self.num_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+        out = self.kernels.attention(self.kernels.rotary(q, cos, sin), keys, values, mask)  # [B, heads, T, D]
+        return packed_linear(self.o_proj, out.transpose(1, 2).reshape(batch, num_new, -1), rows)
 
 
 class PackedRows:
@@ -105,7 +118,7 @@ class PackedRows:
         return out.view(*self.shape, y.shape[-1])  # [B, T, H_out]
 
 
-def _packed(layer, x: torch.Tensor, rows: PackedRows | None) -> torch.Tensor:
+def packed_linear(layer, x: torch.Tensor, rows: PackedRows | None) -> torch.Tensor:
     """layer(x) over x [B, T, H]; with `rows`, only the real token rows are computed."""
     if rows is None:
         return layer(x)
@@ -217,7 +230,7 @@ class LlamaModel(nn.Module):
             hiddens[self.config.num_hidden_layers] = x
         if logits_at is not None:
             x, rows = x[torch.arange(batch), logits_at][:, None], None  # [B, 1, H]
-        logits = _packed(self.lm_head, x, rows).float()  # [B, T, V] ([B, 1, V] with logits_at)
+        logits = packed_linear(self.lm_head, x, rows).float()  # [B, T, V] ([B, 1, V] with logits_at)
         return logits, hiddens
 
 
