@@ -141,6 +141,29 @@ def test_held_out_samples_are_spread_over_the_data_not_its_tail():
         assert {id(s) for s in train_part} | {id(s) for s in held_out} == {id(s) for s in few}
 
 
+def test_a_prompt_drawn_by_two_data_jobs_is_used_once_and_never_on_both_sides_of_the_split():
+    from specdec.train.data import Sample
+    from specdec.train.trainer import drop_repeated_prompts, split_samples
+
+    def sample(prompt, answer, teacher_forced=False):
+        tokens = torch.tensor(prompt + answer)
+        return Sample(tokens, {}, len(prompt), tokens.clone(), teacher_forced=teacher_forced)
+
+    job_a = [sample([1, 2, i], [7, i]) for i in range(20)]
+    job_b = [sample([1, 2, i], [7, i]) for i in range(10, 30)]  # prompts 10..19 drawn by both jobs
+    # the same prompt tokens with another (sampled) answer still repeats the prompt; a longer prompt does not
+    job_b += [sample([1, 2, 3], [9, 9]), sample([1, 2, 3, 4], [7])]
+    corpus = [sample([5, 6], [i, i + 1], teacher_forced=True) for i in range(4)]  # one instruction, every chunk kept
+    kept, dropped = drop_repeated_prompts(job_a + job_b + corpus)
+    assert dropped == 11 and len(kept) == 20 + 10 + 1 + 4
+    assert kept[:20] == job_a  # the first directory's copy stays, in order
+    prompts = [tuple(s.tokens[: s.num_prompt_tokens].tolist()) for s in kept if not s.teacher_forced]
+    assert len(prompts) == len(set(prompts))
+    train_part, held_out = split_samples(kept, 0.1)
+    seen = lambda part: {tuple(s.tokens[: s.num_prompt_tokens].tolist()) for s in part if not s.teacher_forced}  # noqa: E731
+    assert not seen(train_part) & seen(held_out)
+
+
 def test_data_resume_after_interruption_gives_identical_shards(counter, tmp_path):
     # half of the answers are sampled: their seeds must not depend on when the job ran
     settings = lambda: DataSettings(num_prompts=6, max_new_tokens=12, shard_size=2, sampled_fraction=0.5, seed=5)  # noqa: E731

@@ -261,7 +261,8 @@ def run_data(args) -> int:
 
 
 def _load_data(directories: list[str], layers: list[int], target) -> tuple[list, list[dict]]:
-    """(samples of every --data directory in the order given, what each directory is: for the checkpoint config)."""
+    """(samples of every --data directory in the order given, each prompt once; what each directory is: for the
+    checkpoint config)."""
     from .data import load_samples
 
     samples, data_info = [], []
@@ -274,6 +275,12 @@ def _load_data(directories: list[str], layers: list[int], target) -> tuple[list,
         data_info.append({"dir": str(Path(directory).resolve()), "kind": manifest.get("kind", "self-distilled"),
                           "samples": len(loaded), "sources": manifest["sources"],
                           "generated_text_licence": manifest["generated_text_licence"]})
+    from .trainer import drop_repeated_prompts
+
+    samples, dropped = drop_repeated_prompts(samples)
+    if dropped:
+        print(f"note: {dropped} answers repeat an earlier sample's prompt (another --data directory drew it too); "
+              "each prompt is used once", file=sys.stderr)
     return samples, data_info
 
 

@@ -485,6 +485,24 @@ def draft_vocab_summary(train_samples: list[Sample], eval_samples: list[Sample])
     return {"ids": ids, "heldout_coverage": coverage}
 
 
+def drop_repeated_prompts(samples: list[Sample]) -> tuple[list[Sample], int]:
+    """(samples with one self-distilled answer per distinct prompt, how many were dropped).
+
+    Two data jobs (other seeds, other directories) can draw the same prompt; its greedy answer is
+    then the same text twice, and the held-out split would hold a copy of a training sample.
+    Teacher-forced samples share their instruction prompt and are all kept."""
+    seen: set[bytes] = set()
+    kept = []
+    for sample in samples:
+        if not sample.teacher_forced:
+            key = sample.tokens[: sample.num_prompt_tokens].to(torch.int64).numpy().tobytes()
+            if key in seen:
+                continue
+            seen.add(key)
+        kept.append(sample)
+    return kept, len(samples) - len(kept)
+
+
 def split_samples(samples: list[Sample], eval_fraction: float) -> tuple[list[Sample], list[Sample]]:
     """(train, held-out): ceil(fraction * n) self-distilled samples, evenly spread over them, are
     held out (at least one when n >= 2); teacher-forced samples only ever train (held-out agreement
