@@ -87,15 +87,17 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         return cache.write(layer_slot, self.kernels.rotary(k, cos, sin), v.transpose(1, 2))
 
-    def attend(self, x, cos, sin, keys, values, mask, rows: "PackedRows | None" = None) -> torch.Tensor:
+    def attend(self, x, cos, sin, keys, values, mask, rows: "PackedRows | None" = None, attention=None) -> torch.Tensor:
         """x's queries [B, T, H] over (keys, values) -> the attention output after o_proj [B, T, H].
         Apart from write_keys, a pass can give keys for more rows than it computes outputs for (a
-        drafter's training: prompt rows only as context)."""
+        drafter's training: prompt rows only as context). `attention(q, keys, values, mask)`
+        replaces the backend's (a training pass that knows its mask's structure)."""
         batch, num_new, _ = x.shape
         q = packed_linear(self.q_proj, x, rows).view(batch, num_new, self.num_heads, self.head_dim)
         if self.qk_norm:
             q = self.q_norm(q)
-        out = self.kernels.attention(self.kernels.rotary(q, cos, sin), keys, values, mask)  # [B, heads, T, D]
+        attention = attention or self.kernels.attention
+        out = attention(self.kernels.rotary(q, cos, sin), keys, values, mask)  # [B, heads, T, D]
         return packed_linear(self.o_proj, out.transpose(1, 2).reshape(batch, num_new, -1), rows)
 
 
