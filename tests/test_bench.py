@@ -97,6 +97,34 @@ def test_summary_speedup_is_mean_tokens_per_second_ratio():
     assert summary["methods"]["gone"]["status"] == "n/a" and "per_kind" not in summary["methods"]["gone"]
 
 
+def test_summary_reports_the_draft_sizes_that_were_verified():
+    from specdec.bench.report import markdown_table
+    from specdec.stats import SpecStats
+
+    chain, tree, plain = SpecStats(), SpecStats(), SpecStats()
+    for drafted, accepted in ((4, 2), (0, 0), (4, 4)):  # a chain of 4, a plain step the cost model chose, a chain of 4
+        chain.record_step(drafted, accepted)
+    for _ in range(2):  # a 10-node tree of depth 4
+        tree.record_step(10, 3, max_depth=4)
+    for _ in range(5):
+        plain.record_step(0, 0)
+    rows = [_row("plain", 1, "qa", 1, 5, 1.0, 5, plain.to_dict()), _row("plain", 2, "rag", 1, 5, 1.0, 5, plain.to_dict()),
+            _row("spec", 1, "qa", 1, 9, 1.0, 3, chain.to_dict()), _row("spec", 2, "rag", 1, 8, 1.0, 2, tree.to_dict())]
+    methods = [dict(label=m, status="ok", reason=None, exact=True, peer=False, description="") for m in ("plain", "spec")]
+    summary = method_summary_rows(rows, methods, ["qa", "rag"])
+    spec = summary["methods"]["spec"]
+    assert spec["per_kind"]["qa"]["nodes_per_drafting_step"] == pytest.approx(4.0)
+    assert spec["per_kind"]["qa"]["drafting_share"] == pytest.approx(2 / 3)
+    assert spec["per_kind"]["rag"]["nodes_per_drafting_step"] == pytest.approx(10.0)
+    assert spec["per_kind"]["rag"]["depth_per_drafting_step"] == pytest.approx(4.0)
+    assert spec["overall"]["nodes_per_drafting_step"] == pytest.approx(28 / 4)
+    assert spec["overall"]["drafting_share"] == pytest.approx(4 / 5)
+    assert summary["methods"]["plain"]["overall"]["drafting_share"] == 0.0
+    markdown = markdown_table(summary, {"limit_per_kind": 1, "gamma": "auto"})
+    assert "| spec | 4.0 / 4.0 (67 %) | 10.0 / 4.0 (100 %) | 7.0 / 4.0 (80 %) |" in markdown
+    assert "| plain | 0" not in markdown  # a method that never drafted has no row
+
+
 def test_unknown_method_fails_before_loading_anything(capsys):
     from specdec.cli import main
 

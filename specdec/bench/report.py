@@ -44,8 +44,24 @@ def _question_speeds(rows: Sequence[dict]) -> dict[tuple, float]:
     return {key: tokens[key] / seconds[key] for key in tokens if seconds[key] > 0}
 
 
+def _draft_sizes(rows: Sequence[dict]) -> dict:
+    """What was verified, pooled over rows with SpecStats: draft nodes per drafting step (the size
+    --gamma or the cost model chose; a tree counts every node), the share of verify steps that
+    drafted at all (the rest were plain decoding steps) and the deepest drafted position's mean."""
+    stats = [row["stats"] for row in rows if row.get("stats")]
+    steps = sum(s["steps"] for s in stats)
+    drafting = sum((s["proposed_at_depth"] or [0])[0] for s in stats)  # steps that drafted depth 1
+    nodes = sum(s["drafted_tokens"] for s in stats)
+    depths = sum(sum(s["proposed_at_depth"]) for s in stats)  # sum over drafting steps of their depth
+    return {
+        "nodes_per_drafting_step": nodes / drafting if drafting else None,
+        "depth_per_drafting_step": depths / drafting if drafting else None,
+        "drafting_share": drafting / steps if steps else None,
+    }
+
+
 def _cell(rows: Sequence[dict]) -> dict:
-    """tokens/s (mean over questions) and pooled tau of some rows of one method."""
+    """tokens/s (mean over questions), pooled tau and draft sizes of some rows of one method."""
     speeds = list(_question_speeds(rows).values())
     steps = [row["tau_steps"] for row in rows if row["tau_steps"]]
     step_tokens = [row["tau_tokens"] for row in rows if row["tau_steps"]]
@@ -54,6 +70,7 @@ def _cell(rows: Sequence[dict]) -> dict:
         "tokens_per_s": _mean(speeds),
         "tau": sum(step_tokens) / sum(steps) if steps else None,
         "mean_new_tokens": _mean([row["num_tokens"] for row in rows]),
+        **_draft_sizes(rows),
     }
 
 
@@ -173,12 +190,43 @@ def markdown_table(summary: dict, config: dict) -> str:
         own_speed.append(_speed_vs_own_reference(label, entry, summary["methods"]))
     lines.append("")
     lines.append("τ = mean tokens per verify step (accepted draft tokens + the bonus/correction token).")
+    lines.extend(_draft_size_table(summary))
     if notes:
         lines.append(f"For peers ({', '.join(notes)}) τ = tokens per target forward (a transformers forward call, a "
                      "llama.cpp eval call); a peer's output differing from its reference is a warning only (another "
                      "library's arithmetic).")
     lines.extend(note for note in own_speed if note)
     return "\n".join(lines)
+
+
+def _format_size(cell: dict) -> str:
+    if cell.get("drafting_share") is None:
+        return "-"
+    if not cell["drafting_share"]:
+        return "0 (no drafts)"
+    return (f"{cell['nodes_per_drafting_step']:.1f} / {cell['depth_per_drafting_step']:.1f} "
+            f"({100 * cell['drafting_share']:.0f} %)")
+
+
+def _draft_size_table(summary: dict) -> list[str]:
+    """Per method and task kind: draft nodes / depth per drafting step and the share of steps that drafted."""
+    kinds = summary["kinds"]
+    drafted = {label: entry for label, entry in summary["methods"].items()
+               if entry["status"] == "ok" and entry["overall"].get("drafting_share")}
+    if not drafted:
+        return []
+    lines = [
+        "",
+        "What was verified: draft nodes / depth per drafting step (a tree counts every node; --gamma or the cost "
+        "model chose them) and, in parentheses, the share of verify steps that drafted at all.",
+        "",
+        "| method | " + " | ".join(TASK_KIND_TITLES[k] for k in kinds) + " | Overall |",
+        "|---|" + "---|" * (len(kinds) + 1),
+    ]
+    for label, entry in drafted.items():
+        cells = [_format_size(entry["per_kind"][k]) for k in kinds] + [_format_size(entry["overall"])]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 # ============================================================================ plots
