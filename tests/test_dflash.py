@@ -292,3 +292,31 @@ def test_greedy_on_smollm2_equals_plain_with_any_drafts(smollm2):
     for prompt, result in zip(prompts, results):
         assert result.tokens == generate(smollm2, prompt, max_new_tokens=16).tokens
         assert result.stats.drafted_tokens > 0  # the drafter really proposed
+
+
+def test_one_draft_layer_can_fuse_several_target_layers(counter, dflash_data, tmp_path, capsys):
+    """--target-layers decouples the fused layers from --draft-layers (a cheaper block forward: one layer
+    reading three target layers), and the engines' layout carries it: fc over 2 layers, 1 hidden layer."""
+    from specdec.cli import main
+
+    model_dir, ckpt, export = str(counter.model_dir), tmp_path / "ckpt", tmp_path / "export"
+    train_args = ["train", "dflash", "--model", model_dir, "--data", str(dflash_data), "--block-size", "4",
+                  "--draft-layers", "1", "--steps", "3", "--batch-size", "2", "--no-progress"]
+    assert main(train_args + ["--out", str(ckpt), "--target-layers", "0,2"]) == 0
+    head = json.loads((ckpt / "config.json").read_text())["head"]
+    assert head["num_draft_layers"] == 1 and head["input_layers"] == [1, 3]
+    assert main(["export", str(ckpt), str(export), "--dtype", "float32"]) == 0
+    config = json.loads((export / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1 and config["dflash_config"]["target_layer_ids"] == [0, 2]
+    assert tuple(load_file(str(export / "model.safetensors"))["fc.weight"].shape) == (counter.hidden_size,
+                                                                                     2 * counter.hidden_size)
+    prompt = [5, 6, 7, 8]
+    plain = generate(counter, prompt, max_new_tokens=16).tokens
+    for checkpoint in (ckpt, export):
+        assert generate(counter, prompt, DFlashDrafter(counter, checkpoint=str(checkpoint)), max_new_tokens=16).tokens == plain
+    capsys.readouterr()
+    assert main(train_args + ["--out", str(tmp_path / "bad"), "--target-layers", "0,3"]) != 0
+    assert "0 .. 2" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+    with pytest.raises(SystemExit):
+        main(train_args + ["--out", str(tmp_path / "bad"), "--target-layers", "0,x"])
+    assert "comma-separated block ids" in capsys.readouterr().err

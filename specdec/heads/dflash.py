@@ -119,6 +119,9 @@ class DFlashModule(DraftHeads):
                                                                           target_config.vocab_size - 1)
         self.target_num_layers = target_config.num_hidden_layers
         self.fused_layers = tuple(input_layers or dflash_hidden_layers(self.target_num_layers, num_draft_layers))
+        if not all(1 <= layer <= self.target_num_layers for layer in self.fused_layers):
+            raise ValueError(f"fused target layers {[layer - 1 for layer in self.fused_layers]} (0-based block ids) must "
+                             f"lie in 0 .. {self.target_num_layers - 1}: the target has {self.target_num_layers} blocks")
         self.config = dflash_config(target_config, num_draft_layers, intermediate_size)
         hidden_size = target_config.hidden_size
         self.fc = nn.Linear(len(self.fused_layers) * hidden_size, hidden_size, bias=False)

@@ -135,12 +135,33 @@ def _add_common_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _block_ids(text: str) -> tuple[int, ...]:
+    """'1,13,25' -> (1, 13, 25): 0-based target block ids."""
+    try:
+        ids = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated block ids like 1,13,25, got {text!r}") from None
+    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+        raise argparse.ArgumentTypeError(f"expected distinct block ids >= 0, got {text!r}")
+    return ids
+
+
+def _fused_layers(args) -> tuple[int, ...] | None:
+    """--target-layers in specdec's hidden-layer convention (block id i = hidden layer i + 1), None = the default."""
+    return None if args.target_layers is None else tuple(i + 1 for i in args.target_layers)
+
+
 def _add_block_arguments(parser: argparse.ArgumentParser, block_help: str) -> None:
     """The block drafters' options (DFlash and DSpark share the backbone)."""
     _add_common_training_arguments(parser)
     parser.add_argument("--block-size", type=int, default=8, help=block_help)
     parser.add_argument("--draft-layers", type=int, default=3,
-                        help="decoder layers; also the number of fused target layers (spread over blocks 1 .. N-3)")
+                        help="decoder layers; also the number of fused target layers (spread over blocks 1 .. N-3) "
+                             "unless --target-layers names them")
+    parser.add_argument("--target-layers", type=_block_ids, default=None, metavar="IDS",
+                        help="the fused target layers as 0-based block ids, comma-separated (the engines' "
+                             "target_layer_ids), e.g. 1,13,25: fewer draft layers than fused ones make a cheaper "
+                             "block forward; the data must hold their hidden states (train data --layers i+1 ...)")
     parser.add_argument("--decay-gamma", type=float, default=4.0,
                         help="block position k's loss weight is exp(-(k-1)/gamma) (replaces --head-decay)")
     parser.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step, anchored at random answer positions")
@@ -187,7 +208,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                                            "for SGLang / vLLM)")
     _add_block_arguments(dflash, "block = the anchor + block_size - 1 drafted tokens")
     dflash.set_defaults(train_func=run_heads_training, head_kind=lambda args: ("dflash", {
-        "num_positions": args.block_size - 1, "block_size": args.block_size, "num_draft_layers": args.draft_layers, "mask_token_id": args.mask_token_id}))
+        "num_positions": args.block_size - 1, "block_size": args.block_size, "num_draft_layers": args.draft_layers, "mask_token_id": args.mask_token_id,
+        "input_layers": _fused_layers(args)}))
 
     dspark = sub.add_parser("dspark", help="train a DSpark drafter (drafter `dspark`): the DFlash backbone + a sequential "
                                            "head + a calibrated confidence head; `specdec export` for DeepSpec's layout")
@@ -197,7 +219,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="markov: bias from the previous token; rnn: a gated state over the drafted prefix")
     dspark.set_defaults(train_func=run_heads_training, head_kind=lambda args: ("dspark", {
         "num_positions": args.block_size, "block_size": args.block_size, "num_draft_layers": args.draft_layers,
-        "mask_token_id": args.mask_token_id, "markov_rank": args.markov_rank, "sequential_head": args.sequential_head}))
+        "mask_token_id": args.mask_token_id, "markov_rank": args.markov_rank, "sequential_head": args.sequential_head,
+        "input_layers": _fused_layers(args)}))
 
     evaluate = sub.add_parser("eval", help="a checkpoint's agreement with the target on the held-out part of training data")
     evaluate.add_argument("--model", required=True, help="the target the checkpoint was trained for")
