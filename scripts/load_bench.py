@@ -106,6 +106,8 @@ def start_server(args, config: str, port: int, log_path: Path) -> subprocess.Pop
     command = [sys.executable, "-m", "specdec.cli", "serve", "--model", args.model, "--port", str(port),
                "--max-running", str(max(args.concurrency)), "--max-model-len", str(args.max_model_len),
                "--log-level", "warning"]
+    if args.weights:
+        command += ["--weights", args.weights]
     gamma = config_gamma(config, args.gamma)
     if gamma is not None:
         command += ["--drafter", args.drafter, "--gamma", gamma]
@@ -358,6 +360,8 @@ def valid_config(config: str) -> bool:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--weights", choices=["gguf", "gguf-a8", "fp32"], default=None,
+                        help="GGUF-sourced models: the server's --weights (default: the server's default)")
     parser.add_argument("--drafter", default="pld", help="drafter of the speculative configuration")
     parser.add_argument("--drafter-arg", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--gamma", default="auto", help="'auto' (load-aware cost model) or a fixed int")
