@@ -326,6 +326,30 @@ def run_level(args, port: int, model: str, concurrency: int) -> tuple[dict, list
     return row, results
 
 
+def run_order(configs: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round index, configuration) in the order they run: plain first in round 1 (its answers are
+    the reference), later rounds alternate the order, so slow drift of the machine's load does not
+    always land on the same configuration."""
+    first = sorted(configs, key=lambda c: c != "plain")
+    return [(index, config) for index in range(rounds) for config in (first if index % 2 == 0 else first[::-1])]
+
+
+def round_means(rows: list[dict]) -> list[str]:
+    """Per configuration and concurrency: total tokens/s of each round, their mean, and the mean's
+    ratio to plain's mean (when plain ran)."""
+    totals: dict[tuple[str, int], list[float]] = {}
+    for row in rows:
+        totals.setdefault((row["config"], row["concurrency"]), []).append(row["total_tokens_per_s"])
+    lines = []
+    for (config, concurrency), values in totals.items():
+        mean = statistics.fmean(values)
+        plain = totals.get(("plain", concurrency))
+        ratio = f"  {mean / statistics.fmean(plain):.2f}x plain" if plain and config != "plain" else ""
+        lines.append(f"mean {config:12s} c={concurrency:<3d} total {mean:7.2f} tok/s over {len(values)} rounds "
+                     f"({', '.join(f'{v:.2f}' for v in values)}){ratio}")
+    return lines
+
+
 def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -333,11 +357,13 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(6.5, 4.5))
-    for config in dict.fromkeys(row["config"] for row in rows):
-        points = sorted((r for r in rows if r["config"] == config), key=lambda r: r["concurrency"])
+    for config, round_number in dict.fromkeys((row["config"], row.get("round", 1)) for row in rows):
+        points = sorted((r for r in rows if r["config"] == config and r.get("round", 1) == round_number),
+                        key=lambda r: r["concurrency"])
+        label = config if round_number == 1 and not any(r.get("round", 1) > 1 for r in rows) else f"{config}, round {round_number}"
         xs = [r["total_tokens_per_s"] for r in points]
         ys = [r["per_user_tokens_per_s_mean"] for r in points]
-        axes.plot(xs, ys, marker="o", label=config)
+        axes.plot(xs, ys, marker="o", label=label)
         for r, x, y in zip(points, xs, ys):
             axes.annotate(f"c={r['concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     axes.set_xlabel("total throughput (tokens/s)")
@@ -360,6 +386,9 @@ def valid_config(config: str) -> bool:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every configuration this many times, alternating their order from round to round "
+                             "(prints each configuration's mean over the rounds)")
     parser.add_argument("--weights", choices=["gguf", "gguf-a8", "fp32"], default=None,
                         help="GGUF-sourced models: the server's --weights (default: the server's default)")
     parser.add_argument("--drafter", default="pld", help="drafter of the speculative configuration")
@@ -389,6 +418,8 @@ def parse_args(argv=None):
         parser.error(f"--configs takes plain, speculative and speculative:GAMMA (GAMMA auto or an int >= 1), got {args.configs}")
     if len(set(args.configs)) != len(args.configs):
         parser.error(f"--configs lists a configuration twice: {args.configs}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.requests_per_user < 1 or args.max_tokens < 1:
         parser.error("--requests-per-user and --max-tokens must be >= 1")
     return args
@@ -424,8 +455,7 @@ def main(argv=None) -> int:
         return main_soak(args, out)
     rows, raw = [], []
     reference: dict[int, str] = {}  # prompt index -> plain decoding's greedy answer
-    configs = sorted(args.configs, key=lambda c: c != "plain")  # plain first: the reference answers
-    for config in configs:
+    for round_index, config in run_order(args.configs, args.rounds):
         port = free_port()
         process = start_server(args, config, port, out / f"server_{config}.log")
         try:
@@ -434,23 +464,26 @@ def main(argv=None) -> int:
             stream_chat(port, model, "Hello!", 8, 0.0, -1, -1)  # warm-up (first-call allocations)
             for concurrency in args.concurrency:
                 row, results = run_level(args, port, model, concurrency)
-                row["config"] = config
-                if args.temperature == 0 and config == "plain":
+                row["config"], row["round"] = config, round_index + 1
+                if args.temperature == 0 and config == "plain" and round_index == 0:
                     reference.update({r.prompt_index: r.text for r in results if r.error is None})
                 if args.temperature == 0 and config != "plain":
                     row["compared_with_plain"], row["differ_from_plain"] = count_mismatches(results, reference)
                 rows.append(row)
                 raw += [{"config": config, "concurrency": concurrency, **asdict(r)} for r in results]
-                print(f"{config:12s} c={concurrency:<3d} per-user {row['per_user_tokens_per_s_mean']:7.2f} tok/s  "
+                print(f"{'' if args.rounds == 1 else f'round {round_index + 1} '}{config:12s} c={concurrency:<3d} per-user {row['per_user_tokens_per_s_mean']:7.2f} tok/s  "
                       f"total {row['total_tokens_per_s']:7.2f} tok/s  ttft {row['ttft_s_mean'] or 0:.2f}s  "
                       f"errors {row['errors']}"
                       + (f"  differ from plain {row['differ_from_plain']}/{row['compared_with_plain']}"
                          if "differ_from_plain" in row else ""), flush=True)
         finally:
             stop_server(process)
-    meta = {key: getattr(args, key) for key in ("model", "drafter", "drafter_arg", "gamma", "concurrency",
-                                                 "requests_per_user", "max_tokens", "temperature", "max_model_len")}
+    meta = {key: getattr(args, key) for key in ("model", "weights", "drafter", "drafter_arg", "gamma", "concurrency",
+                                                 "requests_per_user", "max_tokens", "temperature", "max_model_len", "rounds")}
     meta["cpu_count"] = os.cpu_count()
+    if args.rounds > 1:
+        for line in round_means(rows):
+            print(line)
     (out / "load_bench.json").write_text(json.dumps({"meta": meta, "results": rows, "requests": raw}, indent=2))
     plot(rows, out / "load_bench.png", f"{args.model}: plain vs {args.drafter}")
     print(f"wrote {out / 'load_bench.json'} and {out / 'load_bench.png'}")

@@ -55,3 +55,17 @@ def test_speculative_servers_reproduce_plain_answers(load_bench, tmp_path, monke
     assert "differ_from_plain" not in rows["plain"]
     texts = [r["text"] for r in report["requests"]]
     assert all(texts) and rows["speculative:3"]["drafted_tokens"] > 0
+
+
+def test_rounds_alternate_the_order_and_report_means_against_plain(load_bench):
+    order = load_bench.run_order(["speculative:auto", "plain", "speculative:4"], 3)
+    assert order == [(0, "plain"), (0, "speculative:auto"), (0, "speculative:4"),
+                     (1, "speculative:4"), (1, "speculative:auto"), (1, "plain"),
+                     (2, "plain"), (2, "speculative:auto"), (2, "speculative:4")]
+    rows = [{"config": config, "concurrency": 4, "total_tokens_per_s": value}
+            for config, value in [("plain", 30.0), ("speculative:auto", 36.0), ("speculative:auto", 24.0), ("plain", 10.0)]]
+    lines = load_bench.round_means(rows)
+    assert lines[0].startswith("mean plain") and "20.00 tok/s over 2 rounds (30.00, 10.00)" in lines[0]
+    assert "30.00 tok/s over 2 rounds (36.00, 24.00)  1.50x plain" in lines[1]
+    with pytest.raises(SystemExit):
+        load_bench.parse_args(["--rounds", "0"])
