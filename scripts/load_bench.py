@@ -357,10 +357,11 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(6.5, 4.5))
+    several_rounds = any(row.get("round", 1) > 1 for row in rows)
     for config, round_number in dict.fromkeys((row["config"], row.get("round", 1)) for row in rows):
         points = sorted((r for r in rows if r["config"] == config and r.get("round", 1) == round_number),
                         key=lambda r: r["concurrency"])
-        label = config if round_number == 1 and not any(r.get("round", 1) > 1 for r in rows) else f"{config}, round {round_number}"
+        label = f"{config}, round {round_number}" if several_rounds else config
         xs = [r["total_tokens_per_s"] for r in points]
         ys = [r["per_user_tokens_per_s_mean"] for r in points]
         axes.plot(xs, ys, marker="o", label=label)
@@ -457,7 +458,8 @@ def main(argv=None) -> int:
     reference: dict[int, str] = {}  # prompt index -> plain decoding's greedy answer
     for round_index, config in run_order(args.configs, args.rounds):
         port = free_port()
-        process = start_server(args, config, port, out / f"server_{config}.log")
+        log_name = f"server_{config}.log" if args.rounds == 1 else f"server_{config}_round{round_index + 1}.log"
+        process = start_server(args, config, port, out / log_name)
         try:
             _, models = http_json(port, "GET", "/v1/models")
             model = json.loads(models)["data"][0]["id"]
