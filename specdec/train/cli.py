@@ -41,11 +41,16 @@ DEFAULT_FEATURE_WEIGHT = {"eagle1": 10.0}
 MTP_FLAVOURS = {"parallel": ("mtp-parallel", "num_heads"), "sequential": ("mtp-sequential", "depth")}
 
 
-def _layer_list(raw: str) -> list[int]:
+def _int_list(raw: str, what: str) -> list[int]:
+    """'29,30' -> [29, 30]; `what` names the expected items in the error ("integers like 29,30")."""
     try:
         return [int(part) for part in raw.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--layers takes comma-separated integers like 29,30, got {raw!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {raw!r}") from None
+
+
+def _layer_list(raw: str) -> list[int]:
+    return _int_list(raw, "integers like 29,30 (hidden layers)")
 
 
 def _prompt_mix(raw: str) -> dict[str, float]:
@@ -137,10 +142,7 @@ def _add_common_training_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _block_ids(text: str) -> tuple[int, ...]:
     """'1,13,25' -> (1, 13, 25): 0-based target block ids."""
-    try:
-        ids = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated block ids like 1,13,25, got {text!r}") from None
+    ids = tuple(_int_list(text, "block ids like 1,13,25"))
     if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
         raise argparse.ArgumentTypeError(f"expected distinct block ids >= 0, got {text!r}")
     return ids
