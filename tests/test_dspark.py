@@ -21,7 +21,7 @@ from specdec.drafters.base import Drafter
 from specdec.drafters.dflash import DFlashDrafter
 from specdec.drafters.dspark import DSparkDrafter
 from specdec.heads import FrozenTargetParts, target_description
-from specdec.heads.dspark import (
+from specdec.heads.dspark_module import (
     SequentialParts, analytic_acceptance, dspark_loss, expected_calibration_error, fit_sequential_temperatures,
     position_weights, survival_ece, target_on_vocabulary,
 )
@@ -30,7 +30,7 @@ from specdec.kernels import FastLinear, make_backend
 from specdec.loop import run
 from specdec.sampling import warp_logits_to_probs
 from specdec.train import TrainSettings, build_heads, load_samples, train
-from specdec.train.dspark import calibrate_checkpoint
+from specdec.train.dspark_calibration import calibrate_checkpoint
 from specdec.train.trainer import split_samples
 
 V, H, K = 11, 8, 4

@@ -15,7 +15,7 @@ from .modules import (
 )
 from .eagle import DEFAULT_EAGLE3_VOCAB, Eagle1Module, Eagle3Module, eagle3_config, eagle3_layers
 from .dflash import DFlashModule, dflash_hidden_layers, dflash_target_layer_ids
-from .dspark import DSparkModule
+from .dspark_module import DSparkModule
 
 __all__ = [
     "CONFIG_FILE", "DRAFT_WEIGHTS", "draft_linears", "ChainedModule", "DFlashModule", "DSparkModule", "dflash_hidden_layers", "dflash_target_layer_ids", "DEFAULT_EAGLE3_VOCAB", "HEAD_TYPES", "Eagle1Module", "Eagle3Module", "eagle3_config", "eagle3_layers", "LABEL_CONVENTION", "DraftHeads", "DraftVocab", "FrozenTargetParts", "MTPParallelHeads",

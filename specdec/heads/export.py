@@ -34,7 +34,7 @@ import torch
 
 from .checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from .dflash import DFlashModule
-from .dspark import SEQUENTIAL_HEADS, DSparkModule
+from .dspark_module import SEQUENTIAL_HEADS, DSparkModule
 from .eagle import Eagle3Module
 from .modules import FrozenTargetParts, MedusaHeads
 

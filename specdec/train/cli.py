@@ -402,7 +402,7 @@ def run_heads_training(args) -> int:
           f"checkpoint {out} (plot {out / 'training.png'})")
     if isinstance(heads, DSparkModule):  # sequential temperature scaling of the confidences on the held-out split
         from ..heads import FrozenTargetParts
-        from .dspark import CALIBRATION_FILE, calibrate_checkpoint, describe
+        from .dspark_calibration import CALIBRATION_FILE, calibrate_checkpoint, describe
         from .trainer import split_samples
 
         parts = FrozenTargetParts.from_target(target).to(device, torch.float32)

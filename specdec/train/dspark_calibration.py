@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..heads import DSparkModule, FrozenTargetParts, read_checkpoint_config, save_checkpoint
-from ..heads.dspark import analytic_acceptance, fit_sequential_temperatures, survival_ece, target_on_vocabulary
+from ..heads.dspark_module import analytic_acceptance, fit_sequential_temperatures, survival_ece, target_on_vocabulary
 from .data import Sample
 from .trainer import TrainSettings, label_rows, make_batch
 
