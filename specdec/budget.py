@@ -215,7 +215,7 @@ class FixedBudget:
     def max_budget_for(self, drafter) -> int:
         if drafter is None:
             return 0
-        return drafter.default_budget if self.gamma is None else self.gamma
+        return drafter.cost.block if self.gamma is None else self.gamma
 
     def observe(self, seq, drafted_depth: int, accepted: int) -> None:
         pass
@@ -245,7 +245,7 @@ class AutoBudget:
       sequence starts at the probe interval the latest probe left (back to `probe_every` as soon as
       any sequence's drafting pays), so such a drafter is not probed afresh by every request.
 
-    A drafter that scores its own positions (`gives_confidences`, Draft.confidences) drafts its
+    A drafter that scores its own positions (`cost.scored`, Draft.confidences) drafts its
     full block whenever drafting is expected to pay at all (the estimates, probes and catch-up rule
     above, with the block's forward priced per step: it costs the same however much of the block is
     verified), and `verify_prefixes` cuts every running sequence's chain to the prefix worth
@@ -255,7 +255,7 @@ class AutoBudget:
     says that drafting did not pay. `use_confidences=False` plans such a drafter like any other.
 
     `draft_ms_per_token`: a fixed drafting cost per draft token (ms); None (default) measures it
-    per sequence, starting from the drafter's `draft_cost_tokens()` prior.
+    per sequence, starting from the drafter's `cost.per_token` prior.
     """
 
     def __init__(self, cost: CostTable, max_budget: int = 12, draft_ms_per_token: float | None = None, probe_every: int = 8,
@@ -298,7 +298,7 @@ class AutoBudget:
         measured = self._draft_ms.get(seq)
         if measured is not None:
             return measured
-        return seq.drafter.draft_cost_tokens() * self.cost.t(1)
+        return seq.drafter.cost.per_token * self.cost.t(1)
 
     def catch_up_ms(self, seq) -> float:
         """One-off cost (ms) of the drafter feeding committed tokens it has not seen yet; the root
@@ -306,7 +306,7 @@ class AutoBudget:
         pending = seq.drafter.catch_up_tokens(seq.ctx)
         if pending <= 1:
             return 0.0
-        return seq.drafter.draft_cost_tokens() * self.cost.t(pending)
+        return seq.drafter.cost.per_token * self.cost.t(pending)
 
     def pays_back(self, seq, budget: int, others: int) -> bool:
         """Whether drafting `budget` nodes now, catch-up included, is expected to save time within
@@ -322,12 +322,12 @@ class AutoBudget:
 
     def schedules(self, drafter) -> bool:
         """Whether this drafter's blocks are cut after drafting by their own confidences."""
-        return self.use_confidences and drafter is not None and drafter.gives_confidences
+        return self.use_confidences and drafter is not None and drafter.cost.scored
 
     def max_budget_for(self, drafter) -> int:
         if self.schedules(drafter):
-            return drafter.default_budget  # its full block; verify_prefixes decides how much is verified
-        return 0 if drafter is None else min(self.limit, max(1, 2 * drafter.default_budget))
+            return drafter.cost.block  # its full block; verify_prefixes decides how much is verified
+        return 0 if drafter is None else min(self.limit, max(1, 2 * drafter.cost.block))
 
     def verify_prefixes(self, seqs, drafts: list[Draft]) -> list[Draft]:
         """Cut each scheduled chain to the prefix `schedule.admit` admits, all sequences at once,

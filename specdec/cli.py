@@ -82,7 +82,7 @@ def cmd_drafters(args) -> int:
     for name, cls in sorted(registered_drafters().items()):
         params = inspect.signature(cls.__init__).parameters
         opts = ", ".join(f"{option}={params[option].default!r}" for option in drafter_option_names(cls))
-        table.add_row(name, "yes" if cls.makes_trees else "opt" if "tree" in opts else "no", opts)
+        table.add_row(name, "yes" if cls.cost.trees else "opt" if "tree" in opts else "no", opts)
     Console().print(table)
     return 0
 

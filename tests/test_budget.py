@@ -5,6 +5,7 @@ drafters are stubs whose catch-up size and cost are set by the test; the loop te
 runs the real small-model drafter on the tiny target.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from specdec.budget import AcceptanceTracker, AutoBudget
 from specdec.cost import CostTable
 from specdec.draft import Draft
-from specdec.drafters.base import DraftContext, Drafter
+from specdec.drafters.base import DraftContext, DraftCost, Drafter
 from specdec.loop import RunningSequence, run
 from specdec.sampling import SamplingParams
 from specdec.stats import SpecStats
@@ -26,14 +27,14 @@ class StubDrafter(Drafter):
 
     name = "stub"
 
+    scored = False
+
     def __init__(self, pending: int, cost_tokens: float, default_budget: int = 4):
-        self.pending, self.cost_tokens, self.default_budget = pending, cost_tokens, default_budget
+        self.pending = pending
+        self.cost = DraftCost(block=default_budget, per_token=cost_tokens, scored=self.scored)
 
     def propose(self, ctx, budget):  # pragma: no cover - not used by the policy
         return Draft.empty()
-
-    def draft_cost_tokens(self) -> float:
-        return self.cost_tokens
 
     def catch_up_tokens(self, ctx) -> int:
         return self.pending
@@ -51,7 +52,7 @@ def expected_saving_ms(policy, seq, budget):
     for prob in accept:
         survive *= prob
         expected_tokens += survive
-    spec = (budget * seq.drafter.draft_cost_tokens() * TABLE.t(1) + TABLE.t(budget + 1)) / expected_tokens
+    spec = (budget * seq.drafter.cost.per_token * TABLE.t(1) + TABLE.t(budget + 1)) / expected_tokens
     return policy.payback_fraction * (seq.max_new_tokens - seq.generated) * (TABLE.t(1) - spec)
 
 
@@ -150,7 +151,7 @@ def test_small_model_skips_prefill_of_a_long_prompt_and_stays_lossless(tiny_targ
     outputs = {}
     for name, prompt in (("long", long_prompt), ("short", long_prompt[:4])):
         drafter = make_drafter("small-model", tiny_target, draft_target=tiny_target)
-        drafter._cost_tokens = 0.1  # a draft model a tenth of the target's cost per token
+        drafter.cost = dataclasses.replace(drafter.cost, per_token=0.1)  # a draft model a tenth of the target's cost per token
         table = CostTable({}, [1, 2, 4, 8, 16, 256], [10.0, 10.5, 11.0, 12.0, 14.0, 1000.0])
         outputs[name] = run(tiny_target, [prompt], drafter, 12, budget_policy=AutoBudget(table, max_budget=6)).finish()[0]
         plain = run(tiny_target, [prompt], None, 12).finish()
@@ -163,7 +164,7 @@ class ScoringStub(StubDrafter):
     """A stub whose drafts carry confidences (the policy then plans full blocks)."""
 
     name = "scoring-stub"
-    gives_confidences = True
+    scored = True
 
 
 def test_confidence_drafts_get_full_blocks_then_one_scheduler_call_cuts_them():

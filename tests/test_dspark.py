@@ -318,7 +318,7 @@ class LazyAgainstEager(Drafter):
 
     def __init__(self, drafter: DSparkDrafter, draft_on=lambda step: step % 3 == 2):
         self.drafter, self.draft_on, self.drafts = drafter, draft_on, []
-        self.hidden_layers, self.default_budget = drafter.hidden_layers, drafter.default_budget
+        self.hidden_layers, self.cost = drafter.hidden_layers, drafter.cost
 
     def for_sequence(self):
         twin = LazyAgainstEager(self.drafter, self.draft_on)

@@ -35,8 +35,8 @@ def test_bad_options_are_clear_errors(tiny_target, options, message):
 
 def test_default_budget_is_the_full_draft_size(tiny_target):
     drafter = make_drafter("lookahead", tiny_target, window_size=4, ngram_size=3, guess_set_size=2)
-    assert drafter.default_budget == (4 + 2) * (3 - 1) - 1 == drafter.max_draft_nodes
-    assert drafter.makes_trees and drafter.wants_node_logits
+    assert drafter.cost.block == (4 + 2) * (3 - 1) - 1 == drafter.max_draft_nodes
+    assert drafter.cost.trees and drafter.wants_node_logits
 
 
 # ---------------------------------------------------------------------------- draft structure

@@ -374,7 +374,7 @@ def make(config, target, datastore_dir):
 @pytest.mark.parametrize("config", sorted(DRAFTER_CONFIGS))
 def test_greedy_equals_plain(config, target, datastore_dir, plain):
     drafter = make(config, target, datastore_dir)
-    assert drafter.makes_trees == config.endswith("tree")
+    assert drafter.cost.trees == config.endswith("tree")
     for prompt, expected in zip(copy_prompts(), plain):
         result = specdec.generate(target, prompt, drafter, max_new_tokens=MAX_NEW)
         assert result.tokens == expected.tokens, (config, prompt)

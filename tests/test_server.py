@@ -14,7 +14,7 @@ import uvicorn
 
 from specdec import SamplingParams, generate, make_drafter
 from specdec.draft import Draft
-from specdec.drafters.base import Drafter
+from specdec.drafters.base import DraftCost, Drafter
 from specdec.server import TextDeltas, create_app
 from specdec.budget import parse_gamma
 from specdec.server.app import add_serve_arguments
@@ -310,7 +310,7 @@ class _ExplodingDrafter(Drafter):
     """A drafter with a bug that only shows on prompts containing EXPLODE (the server must survive it)."""
 
     name = "exploding-test-drafter"
-    default_budget = 2
+    cost = DraftCost(block=2)
 
     def begin(self, prompt_ids, target) -> None:
         self.explode = "EXPLODE" in target.decode(prompt_ids)

@@ -567,7 +567,7 @@ def test_reduced_draft_vocabulary_limits_proposals_and_stays_lossless(counter, t
     assert proposed and proposed <= allowed
     full = drafter_for(kind, counter, checkpoint=checkpoint, draft_vocab=0, **options)
     assert full.vocab.ids is None and small.vocab.rows == 6
-    assert small.draft_cost_tokens() < full.draft_cost_tokens()
+    assert small.cost.per_token < full.cost.per_token
     with pytest.raises(ValueError, match="draft_vocab"):
         drafter_for(kind, counter, checkpoint=checkpoint, draft_vocab=-1)
 

@@ -55,18 +55,33 @@ class DraftContext:
         return self.tokens[self.num_prompt_tokens :]
 
 
+@dataclass(frozen=True)
+class DraftCost:
+    """What one step of a drafter's drafting is and costs: all the budget policy knows of a drafter
+    besides `catch_up_tokens` (specdec.budget). A value: drafters set theirs once, when built."""
+
+    block: int = 5  # draft nodes per step when no cost model decides (a scored drafter: its whole block)
+    per_token: float = 0.0  # cost of one drafted token in target decode steps (a prior: the auto policy measures)
+    # drafts carry Draft.confidences (P(position accepted | previous accepted), computed before the
+    # position's token is drawn): under the auto policy the drafter drafts its whole block (one
+    # forward, priced per step) and the scheduler verifies the prefix specdec.schedule.admit picks
+    scored: bool = False
+    trees: bool = False  # drafts are trees (else chains); shown by `specdec drafters`
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 0:
+            raise ValueError(f"a drafter's block must be an integer >= 0, got {self.block!r}")
+        if not self.per_token >= 0.0:  # NaN fails too
+            raise ValueError(f"a drafter's per-token cost must be >= 0 target steps, got {self.per_token!r}")
+
+
 class Drafter(ABC):
     """Proposes draft tokens (a chain or a tree) for the target to verify."""
 
     name: ClassVar[str] = ""
     hidden_layers: tuple[int, ...] = ()  # target hidden layers needed (see specdec.models.base)
-    makes_trees: bool = False
-    # drafts carry Draft.confidences (P(position accepted | previous accepted), computed before the
-    # position's token is drawn): the auto policy then drafts the full block and verifies the
-    # prefix specdec.schedule.admit picks across the batch
-    gives_confidences: bool = False
     wants_node_logits: bool = False  # ask the loop for ctx.all_node_logits after each verify
-    default_budget: int = 5  # draft nodes per step when the loop has no cost model
+    cost: DraftCost = DraftCost()  # shape and price of a step's drafting (set per instance when options change it)
 
     def for_sequence(self) -> Drafter:
         """A fresh per-sequence drafter sharing heavy resources; default: a shallow copy."""
@@ -86,14 +101,10 @@ class Drafter(ABC):
         """The sequence ended with this step (no further proposal): `ctx.new_hidden` /
         `ctx.all_node_logits` hold its last rows. Default: nothing to do."""
 
-    def draft_cost_tokens(self) -> float:
-        """Rough draft cost per proposed token in units of one target decode step (cost model prior)."""
-        return 0.0
-
     def catch_up_tokens(self, ctx: DraftContext) -> int:
         """Committed tokens the next proposal must first feed through the drafter's own model
         (a draft model's prompt prefill, or tokens committed while drafting was off). Each costs
-        about `draft_cost_tokens()` of a target token in a prefill-sized forward; the budget
+        about `cost.per_token` of a target token in a prefill-sized forward; the budget
         policy weighs this one-off cost against the expected saving. 0: no such cache."""
         return 0
 

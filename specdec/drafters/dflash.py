@@ -29,7 +29,7 @@ from ..draft import Draft
 from ..heads import DFlashModule, DraftVocab, FrozenTargetParts, draft_linears, grow_cache, load_checkpoint
 from ..heads.export import is_dflash_export, load_dflash_export
 from ..kv_cache import KVCache
-from .base import DraftContext, Drafter, register_drafter
+from .base import DraftContext, DraftCost, Drafter, register_drafter
 from .eagle import chain_chooser, new_hidden_rows
 
 _CACHE_HEADROOM = 64
@@ -136,15 +136,12 @@ class DFlashDrafter(Drafter):
         self.target, self.heads, self.vocab, self.sample = target, heads, vocab, sample
         self.linear_backend = draft_linears(heads, vocab, draft_weights)
         self.hidden_layers = tuple(heads.input_layers)
-        self.default_budget = heads.num_positions
         target_params = sum(p.numel() for p in target.model.parameters())
         head_params = sum(p.numel() for p in heads.parameters())
         # one forward reads the module once for the whole block; each row reads its LM-head rows
-        self._cost_tokens = (head_params / heads.num_positions + vocab.rows * target.hidden_size) / max(1, target_params)
+        per_token = (head_params / heads.num_positions + vocab.rows * target.hidden_size) / max(1, target_params)
+        self.cost = DraftCost(block=heads.num_positions, per_token=per_token)
         self.runner: DFlashRunner | None = None
-
-    def draft_cost_tokens(self) -> float:
-        return self._cost_tokens
 
     def begin(self, prompt_ids, target) -> None:
         self.runner = DFlashRunner(self.heads, self.vocab, self.target, len(prompt_ids))

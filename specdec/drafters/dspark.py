@@ -13,6 +13,8 @@ survivals to cut the block before verification (`--gamma auto`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..draft import Draft
@@ -35,7 +37,6 @@ class DSparkDrafter(DFlashDrafter):
     """
 
     name = "dspark"
-    gives_confidences = True  # c_k reads h_k and the token before k: known before token k is drawn
 
     is_export = staticmethod(is_dspark_export)
     load_export = staticmethod(load_dspark_export)
@@ -54,3 +55,5 @@ class DSparkDrafter(DFlashDrafter):
         if not isinstance(heads, DSparkModule):
             raise ValueError(f"the dspark drafter runs 'dspark' modules, got {heads.kind!r}")
         super()._setup(target, heads, vocab, sample, draft_weights)
+        # its drafts are scored: c_k reads h_k and the token before k, known before token k is drawn
+        self.cost = dataclasses.replace(self.cost, scored=True)

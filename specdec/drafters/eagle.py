@@ -42,7 +42,7 @@ from ..heads import (ChainedModule, DraftVocab, Eagle1Module, Eagle3Module, Froz
                      load_checkpoint)
 from ..heads.export import is_eagle3_export, load_eagle3_export
 from ..sampling import sample_from_probs, warp_logits_to_probs
-from .base import DraftContext, Drafter, register_drafter
+from .base import DraftContext, DraftCost, Drafter, register_drafter
 
 _CACHE_HEADROOM = 64
 DEFAULT_TREE_NODES, DEFAULT_TREE_DEPTH, DEFAULT_TREE_TOPK = 10, 6, 4
@@ -172,12 +172,11 @@ class EagleDrafter(Drafter):
         self.target, self.heads, self.vocab, self.sample, self.tree = target, heads, vocab, sample, tree
         self.linear_backend = draft_linears(heads, vocab, draft_weights)
         self.hidden_layers = tuple(heads.input_layers)
-        self.makes_trees = tree
-        self.default_budget = tree_nodes if tree else gamma
         target_params = sum(p.numel() for p in target.model.parameters())
         head_params = sum(p.numel() for p in heads.parameters())
         lm_rows = 0 if isinstance(heads, Eagle3Module) else vocab.rows * target.hidden_size  # EAGLE-3's head is its own
-        self._cost_tokens = (head_params + lm_rows) / max(1, target_params)  # weights read per draft forward
+        per_token = (head_params + lm_rows) / max(1, target_params)  # weights read per draft forward
+        self.cost = DraftCost(block=tree_nodes if tree else gamma, per_token=per_token, trees=tree)
         self.runner: ChainRunner | None = None
 
     def _load(self, target, checkpoint):
@@ -201,9 +200,6 @@ class EagleDrafter(Drafter):
         drafter._setup(target, heads, cls._vocab(target, heads, {}), gamma, sample, tree, tree_nodes, tree_depth, tree_topk,
                        draft_weights)
         return drafter
-
-    def draft_cost_tokens(self) -> float:
-        return self._cost_tokens
 
     def begin(self, prompt_ids, target) -> None:
         self.runner = ChainRunner(self.heads, self.vocab, self.target, len(prompt_ids))

@@ -10,6 +10,7 @@ Needs a native target (`target.forward(..., layer_ids=[...])`, specdec.models.ll
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 from ..checks import check_int
@@ -83,7 +84,7 @@ class LayerSkipDrafter(ModelDrafter):
             )
         self.target = target
         self.layer_ids = resolve_layer_ids(target.num_layers, num_layers, layers)
-        self._cost_tokens = self._estimate_cost()
+        self.cost = dataclasses.replace(self.cost, per_token=self._estimate_cost())
 
     def _estimate_cost(self) -> float:
         """Weight bytes read per draft step / per target step (blocks + head; embeddings are lookups)."""

@@ -50,7 +50,7 @@ import torch
 
 from ..checks import check_int
 from ..draft import Draft
-from .base import DraftContext, Drafter, register_drafter
+from .base import DraftContext, DraftCost, Drafter, register_drafter
 
 MAX_WINDOW_SIZE = 64
 MAX_NGRAM_SIZE = 16
@@ -111,7 +111,7 @@ class LookaheadDrafter(Drafter):
     """Lookahead decoding: Jacobi window (lookahead branch) + n-gram pool (verification branch)."""
 
     name = "lookahead"
-    makes_trees = True
+    cost = DraftCost(trees=True)
     wants_node_logits = True  # asks the loop for ctx.all_node_logits (see module docstring)
 
     def __init__(
@@ -138,7 +138,7 @@ class LookaheadDrafter(Drafter):
                 f"window_size={window_size}, ngram_size={ngram_size}, guess_set_size={guess_set_size} "
                 "propose no draft nodes: use ngram_size >= 3, window_size >= 2 or guess_set_size >= 1"
             )
-        self.default_budget = self.max_draft_nodes
+        self.cost = DraftCost(block=self.max_draft_nodes, trees=True)
 
     @property
     def max_draft_nodes(self) -> int:

@@ -28,7 +28,7 @@ import torch
 from ..checks import check_int
 from ..draft import Draft, TreeTemplate, tree_template_from_choices
 from ..heads import DraftVocab, FrozenTargetParts, MedusaHeads, draft_linears, load_checkpoint
-from .base import DraftContext, Drafter, register_drafter
+from .base import DraftContext, DraftCost, Drafter, register_drafter
 
 DEFAULT_TREE_NODES = 16
 MAX_TREE_NODES = 256
@@ -154,7 +154,7 @@ class MedusaDrafter(Drafter):
     """
 
     name = "medusa"
-    makes_trees = True
+    cost = DraftCost(trees=True)
 
     def __init__(self, target=None, checkpoint: str | None = None, choices: str | None = None, tree_nodes: int = DEFAULT_TREE_NODES,
                  draft_vocab: int = DEFAULT_DRAFT_VOCAB, draft_weights: str = "int8"):
@@ -185,12 +185,8 @@ class MedusaDrafter(Drafter):
         self.linear_backend = draft_linears(heads, self.vocab, draft_weights)
         self.hidden_layers = (heads.input_layer,)
         self.tree = build_choice_tree(heads.num_positions, config.get("eval", {}).get("rank_acc"), choices, tree_nodes, self.vocab.rows)
-        self.default_budget = len(self.tree)
-        self._cost_tokens = heads_cost_tokens(heads, target, self.vocab)
+        self.cost = DraftCost(block=len(self.tree), per_token=heads_cost_tokens(heads, target, self.vocab), trees=True)
         self.last_hidden: torch.Tensor | None = None
-
-    def draft_cost_tokens(self) -> float:
-        return self._cost_tokens
 
     def begin(self, prompt_ids, target) -> None:
         self.last_hidden = None

@@ -31,7 +31,7 @@ from ..checks import check_int
 from ..draft import Draft
 from ..heads import (DraftVocab, FrozenTargetParts, MTPParallelHeads, MTPSequentialModule, draft_linears, grow_cache,
                      load_checkpoint)
-from .base import DraftContext, Drafter, register_drafter
+from .base import DraftContext, DraftCost, Drafter, register_drafter
 from .eagle import ChainRunner, Choose, chain_chooser, new_hidden_rows
 from .medusa import DEFAULT_DRAFT_VOCAB, DEFAULT_TREE_NODES, build_choice_tree, draft_from_candidates, heads_cost_tokens, top_candidates
 
@@ -123,14 +123,10 @@ class MTPDrafter(Drafter):
         self.hidden_layers = (heads.input_layer,)
         rank_acc = config.get("eval", {}).get("rank_acc")
         self.tree = build_choice_tree(heads.num_positions, rank_acc, choices, tree_nodes, self.vocab.rows) if tree else None
-        self.makes_trees = tree
-        self.default_budget = len(self.tree) if tree else gamma
+        per_token = heads_cost_tokens(heads, target, self.vocab, weights_shared_by_depths=isinstance(heads, MTPSequentialModule))
+        self.cost = DraftCost(block=len(self.tree) if tree else gamma, per_token=per_token, trees=tree)
         self._max_chain = limit
-        self._cost_tokens = heads_cost_tokens(heads, target, self.vocab, weights_shared_by_depths=isinstance(heads, MTPSequentialModule))
         self.runner = None
-
-    def draft_cost_tokens(self) -> float:
-        return self._cost_tokens
 
     def begin(self, prompt_ids, target) -> None:
         self.runner = _RUNNERS[type(self.heads)](self.heads, self.vocab, self.target, len(prompt_ids))

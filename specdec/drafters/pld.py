@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ..checks import check_int
 from ..draft import Draft
-from .base import DraftContext, Drafter, register_drafter
+from .base import DraftContext, DraftCost, Drafter, register_drafter
 
 MAX_NGRAM_LIMIT = 16
 
@@ -44,13 +44,12 @@ class PromptLookupDrafter(Drafter):
     """
 
     name = "pld"
-    makes_trees = False
-    default_budget = 5
+    cost = DraftCost(block=5)
 
     def __init__(self, target=None, max_ngram: int = 4, min_ngram: int = 2, gamma: int = 5):
         check_ngram_range("min_ngram", min_ngram, "max_ngram", max_ngram, MAX_NGRAM_LIMIT)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.default_budget = check_int("gamma", gamma, 1, 256)
+        self.cost = DraftCost(block=check_int("gamma", gamma, 1, 256))
         self._reset()
 
     def _reset(self) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..datastore import SEPARATOR, Datastore
 from ..draft import Draft
-from .base import DraftContext, Drafter, register_drafter
+from .base import DraftContext, DraftCost, Drafter, register_drafter
 from ..checks import check_int
 from .pld import check_ngram_range
 from .suffix import MAX_DEPTH_LIMIT, TrieNode, expand_draft
@@ -39,8 +39,7 @@ class RestDrafter(Drafter):
     """
 
     name = "rest"
-    makes_trees = True
-    default_budget = 8
+    cost = DraftCost(block=8, trees=True)
 
     def __init__(
         self,
@@ -68,8 +67,8 @@ class RestDrafter(Drafter):
         self.min_prob = float(min_prob)
         if not isinstance(tree, bool):
             raise ValueError(f"tree must be a boolean, got {tree!r}")
-        self.tree = self.makes_trees = tree
-        self.default_budget = check_int("gamma", gamma, 1, 1024)
+        self.tree = tree
+        self.cost = DraftCost(block=check_int("gamma", gamma, 1, 1024), trees=tree)
         self._checked_target_id: int | None = None
         if target is not None:
             self._check_target(target)

@@ -25,6 +25,7 @@ Two pieces, shared with `layer-skip` (drafters/layer_skip.py):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
@@ -35,7 +36,7 @@ from ..draft import Draft, ScoredTree
 from ..kv_cache import KVCache
 from ..models.base import Target
 from ..sampling import sample_from_probs, warp_logits_to_probs
-from .base import DraftContext, Drafter, register_drafter
+from .base import DraftContext, DraftCost, Drafter, register_drafter
 
 # forward(tokens [1, T], positions [1, T], cache, attn_mask [1, T, T] | None) -> logits [1, T, V_draft]
 DraftForward = Callable[[torch.Tensor, torch.Tensor, object, torch.Tensor | None], torch.Tensor]
@@ -169,7 +170,7 @@ class ModelDrafter(Drafter):
     """Chain / tree drafting with an autoregressive `DraftLM`; subclasses say which model runs.
 
     Subclasses implement `_new_draft_lm(capacity) -> DraftLM` (one per sequence) and set
-    `self._cost_tokens` (draft cost per token in target decode steps).
+    `self.cost`'s per_token (draft cost per token in target decode steps)).
     """
 
     def __init__(
@@ -191,16 +192,11 @@ class ModelDrafter(Drafter):
         self.tree_depth = check_positive_int("tree_depth", tree_depth)
         self.tree_topk = check_positive_int("tree_topk", tree_topk)
         self.tree_beam = check_positive_int("tree_beam", tree_beam)
-        self.makes_trees = tree
-        self.default_budget = tree_nodes if tree else gamma
-        self._cost_tokens = 0.0
+        self.cost = DraftCost(block=tree_nodes if tree else gamma, trees=tree)
         self.lm: DraftLM | None = None
 
     def _new_draft_lm(self, capacity: int) -> DraftLM:
         raise NotImplementedError
-
-    def draft_cost_tokens(self) -> float:
-        return self._cost_tokens
 
     def catch_up_tokens(self, ctx: DraftContext) -> int:
         if self.lm is None:
@@ -214,7 +210,7 @@ class ModelDrafter(Drafter):
 
     def begin(self, prompt_ids, target) -> None:
         # a fresh cache per sequence (for_sequence copies share the model, never the cache)
-        self.lm = self._new_draft_lm(len(prompt_ids) + self._step_slots(self.default_budget) + _CACHE_HEADROOM)
+        self.lm = self._new_draft_lm(len(prompt_ids) + self._step_slots(self.cost.block) + _CACHE_HEADROOM)
 
     def _step_slots(self, budget: int) -> int:
         """Cache slots one proposal may write beyond the committed tokens."""
@@ -396,11 +392,10 @@ class SmallModelDrafter(ModelDrafter):
         self.target_vocab_size = None
         if target is not None:
             self._check_target(target)
-            self._cost_tokens = decode_cost_bytes(draft_target) / decode_cost_bytes(target)
-            if math.isnan(self._cost_tokens):
-                self._cost_tokens = draft_target.num_layers * draft_target.hidden_size / (
-                    target.num_layers * target.hidden_size
-                )
+            per_token = decode_cost_bytes(draft_target) / decode_cost_bytes(target)
+            if math.isnan(per_token):
+                per_token = draft_target.num_layers * draft_target.hidden_size / (target.num_layers * target.hidden_size)
+            self.cost = dataclasses.replace(self.cost, per_token=per_token)
 
     def _check_target(self, target) -> None:
         if not any(target is seen for seen in self._checked_targets):

@@ -25,7 +25,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from ..draft import Draft
-from .base import DraftContext, Drafter, register_drafter
+from .base import DraftContext, DraftCost, Drafter, register_drafter
 from ..checks import check_int
 from .pld import check_ngram_range
 
@@ -190,8 +190,7 @@ class SuffixDrafter(Drafter):
     """
 
     name = "suffix"
-    makes_trees = True
-    default_budget = 8
+    cost = DraftCost(block=8, trees=True)
 
     def __init__(
         self,
@@ -217,9 +216,9 @@ class SuffixDrafter(Drafter):
             raise ValueError(
                 f"tree and share_across_requests must be booleans, got {tree!r}, {share_across_requests!r}"
             )
-        self.tree = self.makes_trees = tree
+        self.tree = tree
         self.global_max_nodes = check_int("global_max_nodes", global_max_nodes, 1)
-        self.default_budget = check_int("gamma", gamma, 1, 1024)
+        self.cost = DraftCost(block=check_int("gamma", gamma, 1, 1024), trees=tree)
         self.trie_depth = max_match + max_depth  # a match plus its drafted continuation
         self.shared = _SharedTrie(self.trie_depth) if share_across_requests else None
         self._reset()

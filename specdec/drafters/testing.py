@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..draft import Draft
-from .base import DraftContext, Drafter, register_drafter
+from .base import DraftContext, DraftCost, Drafter, register_drafter
 
 
 @register_drafter
@@ -25,7 +25,7 @@ class OracleDrafter(Drafter):
     def __init__(self, target=None, gamma: int = 4):
         if target is None:
             raise ValueError("the oracle drafter needs the target")
-        self.target, self.default_budget = target, gamma
+        self.target, self.cost = target, DraftCost(block=gamma)
         self.cache = None
 
     def begin(self, prompt_ids, target) -> None:
@@ -67,7 +67,6 @@ class TemperedDrafter(OracleDrafter):
     Draft.confidences requires, yet which prefix gets verified depends on what was drafted."""
 
     name = "tempered"
-    gives_confidences = True
 
     def __init__(self, target=None, gamma: int = 4, draft_temperature: float = 1.5, high: float = 0.9,
                  low: float = 0.2):
@@ -78,6 +77,7 @@ class TemperedDrafter(OracleDrafter):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be a probability in [0, 1], got {value}")
         self.draft_temperature, self.high, self.low = draft_temperature, high, low
+        self.cost = DraftCost(block=gamma, scored=True)
 
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
         pending = self._rewind(ctx)
@@ -101,8 +101,8 @@ class RandomDrafter(Drafter):
         self.vocab_size = vocab_size or (target.vocab_size if target is not None else None)
         if not self.vocab_size:
             raise ValueError("the random drafter needs the target (or vocab_size)")
-        self.default_budget, self.tree, self.branching = gamma, tree, branching
-        self.makes_trees = tree
+        self.tree, self.branching = tree, branching
+        self.cost = DraftCost(block=gamma, trees=tree)
         self.seed = seed
 
     def begin(self, prompt_ids, target) -> None:
