@@ -281,14 +281,11 @@ def kv_budget_tokens(bytes_per_token: int, memory_gb: float | None = None,
                      fraction: float = DEFAULT_KV_MEMORY_FRACTION) -> tuple[int, str]:
     """Token slots a KV budget holds, and a phrase saying where the budget came from.
 
-    `memory_gb` (decimal GB) when given, else `fraction` of the memory available now."""
+    `memory_gb` (decimal GB, > 0) when given, else `fraction` (in (0, 1]) of the memory available
+    now; the server's settings are checked once, by specdec.server.config.ServerConfig."""
     if memory_gb is not None:
-        if not memory_gb > 0:
-            raise ValueError(f"--kv-memory must be > 0 GB, got {memory_gb}")
         budget, source = memory_gb * 1e9, f"--kv-memory {memory_gb:g} GB"
     else:
-        if not 0 < fraction <= 1:
-            raise ValueError(f"--kv-memory-fraction must be in (0, 1], got {fraction}")
         available = available_memory_bytes()
         budget = fraction * available
         source = f"{fraction:g} of the {available / 1e9:.1f} GB available (--kv-memory-fraction)"

@@ -107,17 +107,8 @@ class SpecBatch:
         first_row = len(self.seqs)
         if first_row + len(prompts) > self.max_batch:
             raise ValueError(f"batch full: {first_row} running + {len(prompts)} new > max_batch {self.max_batch}")
-        for prompt, limit in zip(prompts, max_new_tokens):
-            if not prompt:
-                raise ValueError("prompt is empty: give some text or token ids")
-            if limit < 1:
-                raise ValueError(f"max_new_tokens must be >= 1, got {limit}")
-            self.target.check_fits(len(prompt), limit)
-            if self.room_needed(len(prompt), limit) > self.cache.max_len:
-                raise ValueError(
-                    f"prompt ({len(prompt)} tokens) + max_new_tokens ({limit}) does not fit the context of "
-                    f"{self.cache.max_len - (self.room_needed(0, 0))} tokens"
-                )
+        for prompt, limit in zip(prompts, max_new_tokens):  # the one size rule, with this cache's slots
+            self.target.check_fits(len(prompt), limit, kv_slots=self.cache.max_len, draft_room=self.room_needed(0, 0))
         new = []
         for prompt, param, limit, stops in zip(prompts, sampling, max_new_tokens, stop):
             ctx = DraftContext(list(prompt), len(prompt), param, make_generator(param.seed))
@@ -303,12 +294,10 @@ def run(
 def _run_steps(target, prompts, drafter, max_new_tokens, sampling, stop, budget_policy):
     if not prompts:
         raise ValueError("no prompts given")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-    for prompt in prompts:  # before any allocation: the cache is sized from these numbers
+    for prompt in prompts:  # the size rule before any allocation: the cache is sized from these numbers
         target.check_fits(len(prompt), max_new_tokens)
     policy = budget_policy or FixedBudget()
     longest = max(len(p) for p in prompts)

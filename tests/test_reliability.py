@@ -109,10 +109,7 @@ def test_kv_budget_from_gigabytes_or_a_fraction_of_free_memory():
     tokens, source = kv_budget_tokens(1000, memory_gb=2.0)
     assert tokens == 2_000_000 and "2 GB" in source
     tokens, source = kv_budget_tokens(1000, fraction=0.25)
-    assert tokens > 0 and "0.25 of the" in source
-    for bad in ({"memory_gb": 0.0}, {"memory_gb": float("nan")}, {"fraction": 1.5}):
-        with pytest.raises(ValueError):
-            kv_budget_tokens(1000, **bad)
+    assert tokens > 0 and "0.25 of the" in source  # bad values: ServerConfig refuses them (test_server_config.py)
 
 
 # ---------------------------------------------------------------------------- one size rule

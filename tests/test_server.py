@@ -17,7 +17,7 @@ from specdec.draft import Draft
 from specdec.drafters.base import DraftCost, Drafter
 from specdec.server import TextDeltas, create_app
 from specdec.budget import parse_gamma
-from specdec.server.app import add_serve_arguments
+from specdec.server.serve import add_serve_arguments
 from specdec.server.metrics import parse_metrics
 
 pytestmark = pytest.mark.slow
@@ -172,7 +172,7 @@ def test_eight_concurrent_clients_match_alone_and_generate(smollm2, drafter, cli
     (b"[1, 2]", 400, "object"),
     ({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, 400, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, 400, "context length"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, 400, "exceeds the server's context length"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": 7.5}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
@@ -183,8 +183,8 @@ def test_eight_concurrent_clients_match_alone_and_generate(smollm2, drafter, cli
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n=1"),
-    ({"messages": [{"role": "user", "content": "word " * 600}]}, 400, "context length"),
-    ({"messages": [{"role": "user", "content": "word " * 300}], "max_tokens": 200}, 400, "exceeds the context"),
+    ({"messages": [{"role": "user", "content": "word " * 600}]}, 400, "the prompt alone exceeds it"),
+    ({"messages": [{"role": "user", "content": "word " * 300}], "max_tokens": 200}, 400, "lower max_tokens to at most"),
     ({"messages": [{"role": "user", "content": "x" * 70_000}]}, 413, "limit"),
 ])
 def test_invalid_chat_requests_get_openai_style_errors(smollm2, base_url, body, status, words):

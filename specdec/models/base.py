@@ -21,7 +21,12 @@ import torch
 
 
 class ContextLengthError(ValueError):
-    """prompt + max_new_tokens does not fit the model's context window."""
+    """prompt + max_new_tokens does not fit the context (the model's window, a server's max_model_len)
+    or the KV slots one sequence may hold. `prompt_too_long`: the prompt alone is past the context."""
+
+    def __init__(self, message: str, prompt_too_long: bool = False):
+        super().__init__(message)
+        self.prompt_too_long = prompt_too_long
 
 
 class Target(ABC):
@@ -66,16 +71,34 @@ class Target(ABC):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return 2 * self.num_layers * kv_heads * head_dim * self.dtype.itemsize
 
-    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        """Raise ContextLengthError unless prompt + max_new_tokens fits the context window (before any allocation)."""
+    def check_fits(self, prompt_len: int, max_new_tokens: int, *, max_len: int | None = None,
+                   kv_slots: int | None = None, draft_room: int = 0, budget_name: str = "max_new_tokens") -> None:
+        """THE size rule: generate, the loop, the server, bench and training data all call it, before
+        any allocation, so every refusal reads the same. A sequence needs prompt_len >= 1 and
+        max_new_tokens >= 1; prompt_len + max_new_tokens must fit the context (the model's window, or
+        `max_len` when smaller: a server's --max-model-len); with `draft_room` more (the largest draft
+        block, root and bonus: loop.kv_room) it must fit the `kv_slots` one sequence may hold.
+        `budget_name` is what the caller calls max_new_tokens (the server: "max_tokens")."""
+        if prompt_len < 1:
+            raise ValueError("prompt is empty: give some text or token ids")
+        if max_new_tokens < 1:
+            raise ValueError(f"{budget_name} must be >= 1, got {max_new_tokens}")
         window = self.context_window
-        if prompt_len + max_new_tokens > window:
-            what = "the prompt alone exceeds it: shorten the prompt" if prompt_len >= window else \
-                f"lower max_new_tokens to at most {window - prompt_len:,}"
+        context, where = (window, f"{self.name}'s context window")
+        if max_len is not None and max_len < window:
+            context, where = max_len, "the server's context length (--max-model-len)"
+        total = prompt_len + max_new_tokens
+        if total > context:
+            too_long = prompt_len >= context
+            what = "the prompt alone exceeds it: shorten the prompt" if too_long else \
+                f"lower {budget_name} to at most {context - prompt_len:,}"
+            raise ContextLengthError(f"prompt ({prompt_len:,} tokens) + {budget_name} ({max_new_tokens:,}) = {total:,} "
+                                     f"tokens exceeds {where} of {context:,} tokens; {what}", too_long)
+        if kv_slots is not None and total + draft_room > kv_slots:
             raise ContextLengthError(
-                f"prompt ({prompt_len:,} tokens) + max_new_tokens ({max_new_tokens:,}) = {prompt_len + max_new_tokens:,} "
-                f"tokens exceeds {self.name}'s context window of {window:,} tokens; {what}"
-            )
+                f"prompt ({prompt_len:,} tokens) + {budget_name} ({max_new_tokens:,}) + draft room ({draft_room:,}) "
+                f"does not fit the {kv_slots:,} KV slots this batch holds per sequence; lower {budget_name} to at most "
+                f"{max(kv_slots - draft_room - prompt_len, 0):,}", kv_slots - draft_room <= prompt_len)
 
     # ---- tokenizer helpers (shared by every backend) ----
 

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: `specdec serve` and `create_app(target, drafter, ...)`.
+"""The OpenAI-compatible HTTP app: `create_app(target, drafter, config)` (`specdec serve`: serve.py).
 
 Routes: POST /v1/chat/completions, POST /v1/completions (both streaming via SSE or not),
 GET /v1/models, GET /health, GET /metrics (Prometheus text). Every request runs through one
@@ -21,21 +21,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..budget import budget_policy_for, parse_gamma
-from ..kv_cache import DEFAULT_KV_MEMORY_FRACTION, kv_budget_tokens
-from ..models.registry import DEFAULT_MODEL
+from ..models.base import ContextLengthError
 from ..sampling import SamplingParams, make_generator
-from .metrics import ServerMetrics
-from ..models import add_weights_argument
 from ..streaming import TextDeltas
-from .scheduler import (FinishedEvent, GenerationRequest, QueueFullError, Scheduler, SchedulerStoppedError, TokensEvent,
-                        check_max_model_len)
+from .config import SHUTDOWN_GRACE_S, ServerConfig
+from .metrics import ServerMetrics
+from .scheduler import FinishedEvent, GenerationRequest, QueueFullError, Scheduler, SchedulerStoppedError, TokensEvent
 from .schemas import ChatCompletionRequest, CompletionRequest, describe_validation_error, error_body
 
 log = logging.getLogger("specdec.server")
 
-DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
-DEFAULT_MAX_MODEL_LEN = 2048  # tokens per request when the model's window is longer
 DISCONNECT_POLL_S = 0.25
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 OPEN_ROUTES = ("/health",)  # answered without the API key
@@ -62,8 +57,8 @@ class _GuardMiddleware:
     Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect detection pass
     through untouched."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics):
-        self.app, self.api_key, self.max_body_bytes, self.metrics = app, api_key, max_body_bytes, metrics
+    def __init__(self, app, config: ServerConfig, metrics: ServerMetrics):
+        self.app, self.api_key, self.max_body_bytes, self.metrics = app, config.api_key, config.max_body_bytes, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -164,11 +159,10 @@ def usage_body(prompt_tokens: int, finished: FinishedEvent) -> dict:
 class _Server:
     """The state behind the routes: target, scheduler, limits, served model names."""
 
-    def __init__(self, target, scheduler: Scheduler, model_names: list[str], max_model_len: int,
-                 default_max_tokens: int, max_body_bytes: int):
-        self.target, self.scheduler = target, scheduler
-        self.model_names = model_names
-        self.max_model_len, self.default_max_tokens, self.max_body_bytes = max_model_len, default_max_tokens, max_body_bytes
+    def __init__(self, target, scheduler: Scheduler):
+        self.target, self.scheduler, self.config = target, scheduler, scheduler.config
+        self.model_names = self.config.served_names(target)
+        self.max_body_bytes = self.config.max_body_bytes
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ request parsing
@@ -202,21 +196,17 @@ class _Server:
                            param="model", code="model_not_found")
 
     def limits(self, prompt_ids: list[int], requested: int | None) -> int:
-        """max_tokens for this request, or a 400 saying which limit it breaks."""
-        prompt_len, context = len(prompt_ids), self.max_model_len
-        if requested is not None and requested < 1:
-            raise ApiError(400, f"max_tokens must be >= 1, got {requested}", param="max_tokens")
-        if requested is not None and requested > context:
-            raise ApiError(400, f"max_tokens ({requested}) is larger than the context length ({context} tokens)",
-                           param="max_tokens")
-        if prompt_len >= context:
-            raise ApiError(400, f"the prompt is {prompt_len} tokens; the context length is {context} tokens "
-                                "(prompt + completion): shorten the prompt", param="messages", code="context_length_exceeded")
-        max_tokens = requested if requested is not None else min(self.default_max_tokens, context - prompt_len)
-        if prompt_len + max_tokens > context:
-            raise ApiError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
-                                f"exceeds the context length of {context} tokens: shorten the prompt or lower max_tokens",
-                           param="max_tokens", code="context_length_exceeded")
+        """max_tokens for this request (none given: --default-max-tokens, cut to the room the prompt
+        leaves), or a 400 from the one size rule (Target.check_fits) against --max-model-len."""
+        prompt_len, context = len(prompt_ids), self.scheduler.max_model_len
+        max_tokens = requested if requested is not None else min(self.config.default_max_tokens, max(context - prompt_len, 1))
+        try:
+            self.target.check_fits(prompt_len, max_tokens, max_len=context, budget_name="max_tokens")
+        except ContextLengthError as error:
+            raise ApiError(400, str(error), param="messages" if error.prompt_too_long else "max_tokens",
+                           code="context_length_exceeded") from None
+        except ValueError as error:
+            raise ApiError(400, str(error), param="max_tokens") from None
         return max_tokens
 
     @staticmethod
@@ -318,47 +308,44 @@ class _Server:
             return
 
 
-def create_app(target, drafter=None, *, gamma=None, budget_policy=None, model_name: str | None = None,
-               max_running: int = 8, max_queue: int = 64, max_model_len: int | None = None, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, default_max_tokens: int = 512,
-               max_prefill_tokens: int = 4096, kv_memory_gb: float | None = None,
-               kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION) -> FastAPI:
-    """A FastAPI app serving `target` (optionally speculating with `drafter`).
+def create_app(target, drafter=None, config: ServerConfig | None = None, *, budget_policy=None, **settings) -> FastAPI:
+    """A FastAPI app serving `target` (optionally speculating with `drafter`) under `config`, or under
+    `ServerConfig(**settings)` when none is given (create_app(target, max_running=4, gamma="auto")).
 
-    gamma: None (drafter default), an int (fixed draft budget) or "auto" (load-aware cost model; drafts
-    with confidences are cut across the batch by specdec.schedule.admit);
-    or pass `budget_policy` directly. max_model_len: prompt + completion per request (default: the
-    model's context window, at most DEFAULT_MAX_MODEL_LEN). KV memory: `kv_memory_gb`, else
-    `kv_memory_fraction` of the memory available now; requests beyond it wait in the queue.
-    The scheduler thread starts with the app (lifespan) and stops with it.
+    gamma None (drafter default), an int (fixed draft budget) or "auto" (load-aware cost model; drafts
+    with confidences are cut across the batch by specdec.schedule.admit); or pass `budget_policy`
+    directly. The scheduler thread starts with the app (lifespan) and stops with it.
     """
-    if default_max_tokens < 1 or max_body_bytes < 1:
-        raise ValueError(f"default_max_tokens and max_body_bytes must be >= 1, got {default_max_tokens}, {max_body_bytes}")
-    if max_model_len is None:
-        max_model_len = min(DEFAULT_MAX_MODEL_LEN, target.context_window)
-    check_max_model_len(target, max_model_len)  # before the cost model measures anything
-    kv_tokens, kv_source = kv_budget_tokens(target.kv_bytes_per_token, kv_memory_gb, kv_memory_fraction)
+    if config is None:
+        config = ServerConfig(**settings)
+    elif settings:
+        raise TypeError(f"give a ServerConfig or its settings, not both (got {sorted(settings)} beside the config)")
     metrics = ServerMetrics()
-    policy = budget_policy or budget_policy_for(target, drafter, gamma)
-    scheduler = Scheduler(target, drafter, policy, max_running, max_queue, max_model_len, metrics, max_prefill_tokens,
-                          kv_budget_tokens=kv_tokens)
-    log.info("KV budget: %s tokens (%s, %s B/token); max_model_len %s", f"{kv_tokens:,}", kv_source,
-             f"{target.kv_bytes_per_token:,}", max_model_len)
+    scheduler = Scheduler(target, drafter, config, budget_policy, metrics)
     metrics.watch(queue_length=lambda: scheduler.queue_length, running=lambda: scheduler.running)
-    names = [model_name or target.name] + ([target.name] if model_name and model_name != target.name else [])
-    server = _Server(target, scheduler, names, max_model_len, default_max_tokens, max_body_bytes)
+    server = _Server(target, scheduler)
+    app = FastAPI(title="specdec", lifespan=_lifespan(scheduler))
+    app.state.server, app.state.scheduler, app.state.metrics = server, scheduler, metrics
+    app.add_middleware(_GuardMiddleware, config=config, metrics=metrics)
+    _add_error_handlers(app)
+    _add_routes(app, server, metrics)
+    return app
 
+
+def _lifespan(scheduler: Scheduler):
     @contextlib.asynccontextmanager
     async def lifespan(app):
         scheduler.start()
         try:
             yield
         finally:
-            await asyncio.to_thread(scheduler.stop)
+            await asyncio.to_thread(scheduler.stop, SHUTDOWN_GRACE_S)  # requests have ended: never waits long
 
-    app = FastAPI(title="specdec", lifespan=lifespan)
-    app.state.server, app.state.scheduler, app.state.metrics = server, scheduler, metrics
-    app.add_middleware(_GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+    return lifespan
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error is an OpenAI-style body; an unexpected one is a 500 that names only its type."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request, error: ApiError):
@@ -373,6 +360,10 @@ def create_app(target, drafter=None, *, gamma=None, budget_policy=None, model_na
     async def _unexpected(request, error: Exception):
         log.exception("unhandled error")
         return JSONResponse(error_body(f"internal error: {type(error).__name__}", "server_error"), status_code=500)
+
+
+def _add_routes(app: FastAPI, server: _Server, metrics: ServerMetrics) -> None:
+    scheduler = server.scheduler
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -396,7 +387,7 @@ def create_app(target, drafter=None, *, gamma=None, budget_policy=None, model_na
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [_model_card(name, server.created) for name in names[:1]]}
+        return {"object": "list", "data": [_model_card(server.model_names[0], server.created)]}
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str):
@@ -412,8 +403,6 @@ def create_app(target, drafter=None, *, gamma=None, budget_policy=None, model_na
     @app.get("/metrics")
     async def prometheus_metrics():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    return app
 
 
 def _check_unicode(value, path: str) -> None:
@@ -435,63 +424,3 @@ def _check_unicode(value, path: str) -> None:
 
 def _model_card(name: str, created: int) -> dict:
     return {"id": name, "object": "model", "created": created, "owned_by": "specdec"}
-
-
-# ---------------------------------------------------------------------------- `specdec serve`
-
-
-def add_serve_arguments(parser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, HF model directory, or .gguf file")
-    parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
-    parser.add_argument("--drafter", default=None, help="drafter name (see `specdec drafters`); none = plain decoding")
-    parser.add_argument("--drafter-arg", action="append", default=[], metavar="KEY=VALUE", help="drafter option")
-    parser.add_argument("--gamma", default="auto", help="draft budget per step: an int (that block, verified whole), or 'auto' "
-                        "(load-aware cost model; a drafter with confidences is cut by the scheduler across the batch)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    add_weights_argument(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /metrics "
-                                                        "(/health stays open for liveness probes)")
-    parser.add_argument("--max-running", type=int, default=8, help="sequences in the running batch")
-    parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help=f"prompt + completion tokens per request (default: the model's context window, at most "
-                             f"{DEFAULT_MAX_MODEL_LEN}; never more than the window)")
-    parser.add_argument("--kv-memory", type=float, default=None, metavar="GB",
-                        help="KV cache memory budget in GB (default: --kv-memory-fraction of the memory available at "
-                             "start-up); requests that do not fit wait in the queue")
-    parser.add_argument("--kv-memory-fraction", type=float, default=DEFAULT_KV_MEMORY_FRACTION,
-                        help="share of the available memory the KV cache may take when --kv-memory is not given")
-    parser.add_argument("--default-max-tokens", type=int, default=512, help="max_tokens when a request gives none")
-    parser.add_argument("--max-prefill-tokens", type=int, default=4096,
-                        help="admit waiting requests while rows x longest prompt stays under this (one prefill)")
-    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="request body limit (413)")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-
-
-def run_serve(args) -> int:
-    import uvicorn
-
-    from ..api import load_target
-    from ..drafters import drafter_options, make_drafter
-
-    gamma = parse_gamma(args.gamma)
-    for name in ("max_running", "max_model_len", "default_max_tokens", "max_body_bytes", "max_prefill_tokens"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.max_queue < 0:
-        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
-    options = drafter_options(args.drafter, args.drafter_arg) if args.drafter else {}
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    target = load_target(args.model, dtype=args.dtype, weights=args.weights)
-    drafter = make_drafter(args.drafter, target, **options) if args.drafter else None
-    app = create_app(target, drafter, gamma=gamma, model_name=args.served_model_name or args.model,
-                     max_running=args.max_running, max_queue=args.max_queue, max_model_len=args.max_model_len,
-                     api_key=args.api_key, max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
-                     max_prefill_tokens=args.max_prefill_tokens, kv_memory_gb=args.kv_memory,
-                     kv_memory_fraction=args.kv_memory_fraction)
-    log.info("serving %s (drafter %s, gamma %s) on http://%s:%d/v1", args.model, args.drafter or "none", gamma,
-             args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0

@@ -3,7 +3,8 @@
 HTTP handlers never touch torch. They `submit()` a `GenerationRequest` and read its events
 from an asyncio queue; the scheduler thread loops:
 
-    1. drop cancelled requests (waiting: forget them; running: `batch.remove`, freeing the row)
+    1. drop cancelled requests (waiting: forget them; running: `batch.remove`, freeing the row);
+       after `abort()` (the bounded SIGTERM drain) every request ends this way, with "abort"
     2. admit waiting requests (FIFO) while the rows, the prefill budget and the KV budget allow
        (`batch.add`: one ragged prefill for all); the rest wait in the queue
     3. `batch.step()`: one draft -> verify over every running sequence; the budget policy sees
@@ -24,10 +25,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..budget import FixedBudget
+from ..budget import budget_policy_for
 from ..loop import SpecBatch, kv_room
 from ..sampling import SamplingParams
 from ..stats import SpecStats
+from .config import ServerConfig
 from .metrics import ServerMetrics
 
 log = logging.getLogger("specdec.server")
@@ -48,7 +50,7 @@ class TokensEvent:
 
 @dataclass
 class FinishedEvent:
-    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
+    finish_reason: str  # "stop" | "length" | "cancelled" (the client left) | "abort" (the server ended it) | "error"
     text: str  # the whole output text (a matched stop string and what follows it cut off)
     output_tokens: list[int]
     stats: SpecStats
@@ -71,8 +73,17 @@ class GenerationRequest:
     request_id: int = field(default_factory=lambda: next(_request_ids))
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
-    cancelled: bool = False  # set from the event loop; read by the scheduler between steps
+    end_reason: str | None = None  # set by cancel() from any thread; read by the scheduler between steps
     sequence: object | None = None  # the SpecBatch sequence while admitted
+
+    @property
+    def cancelled(self) -> bool:
+        return self.end_reason is not None
+
+    def cancel(self, reason: str) -> None:
+        """End the request before its stop or length ("cancelled": the client left; "abort": the server
+        ended it); the first reason given stays."""
+        self.end_reason = self.end_reason or reason
 
     @classmethod
     def create(cls, prompt_ids, sampling, max_tokens, stop=()) -> GenerationRequest:
@@ -80,48 +91,38 @@ class GenerationRequest:
         return cls(list(prompt_ids), sampling, max_tokens, tuple(stop), asyncio.get_running_loop(), asyncio.Queue())
 
 
-def check_max_model_len(target, max_model_len: int) -> None:
-    """A server never promises more positions than the model has (its context window)."""
-    if max_model_len > target.context_window:
-        raise ValueError(f"--max-model-len {max_model_len:,} exceeds {target.name}'s context window of "
-                         f"{target.context_window:,} tokens (max_position_embeddings): use at most {target.context_window:,}")
-
-
 class Scheduler:
     """Owns the target, the drafter and the SpecBatch; runs on its own thread."""
 
-    def __init__(self, target, drafter=None, budget_policy=None, max_running: int = 8, max_queue: int = 64,
-                 max_model_len: int = 2048, metrics: ServerMetrics | None = None, max_prefill_tokens: int = 4096,
-                 kv_budget_tokens: int | None = None):
-        """`kv_budget_tokens`: KV token slots the running batch may hold (rows x longest reservation); None = no cap."""
-        if max_running < 1 or max_queue < 0 or max_model_len < 2 or max_prefill_tokens < 1:
-            raise ValueError(f"need max_running >= 1, max_queue >= 0, max_model_len >= 2, max_prefill_tokens >= 1; "
-                             f"got {max_running}, {max_queue}, {max_model_len}, {max_prefill_tokens}")
-        check_max_model_len(target, max_model_len)
-        self.target = target
-        self.max_running, self.max_queue, self.max_model_len = max_running, max_queue, max_model_len
-        # one admission prefill pads every prompt to the longest: cap rows x longest so a burst of long
-        # prompts cannot stall the running sequences (or blow up attention memory) in one forward
-        self.max_prefill_tokens = max_prefill_tokens
+    def __init__(self, target, drafter=None, config: ServerConfig = ServerConfig(), budget_policy=None,
+                 metrics: ServerMetrics | None = None):
+        """Sizes from `config` (checked there): --max-model-len against the model's window first (before
+        the cost model measures anything), then the budget policy, then the KV budget against one
+        max-length sequence. `budget_policy`: None = the one config.gamma asks for."""
+        self.target, self.config = target, config
+        self.max_model_len = config.context_length(target)
         self.metrics = metrics or ServerMetrics()
-        policy = budget_policy or FixedBudget()
+        policy = budget_policy or budget_policy_for(target, drafter, config.gamma)
         # size the cache so any prompt + max_tokens <= max_model_len fits with the largest draft block
-        longest = kv_room(policy, drafter, max_model_len, 0)  # a max-length request
-        if kv_budget_tokens is not None and kv_budget_tokens < longest:
-            per_token = target.kv_bytes_per_token
+        longest = kv_room(policy, drafter, self.max_model_len, 0)  # a max-length request
+        self.kv_budget_tokens, source = config.kv_budget(target)
+        per_token = target.kv_bytes_per_token
+        if self.kv_budget_tokens < longest:
             raise ValueError(
-                f"the KV memory budget holds {kv_budget_tokens:,} tokens ({kv_budget_tokens * per_token / 1e9:.2f} GB at "
-                f"{per_token:,} B/token) but one sequence of --max-model-len {max_model_len:,} (+ draft room) needs "
-                f"{longest:,} ({longest * per_token / 1e9:.2f} GB): raise --kv-memory or lower --max-model-len"
+                f"the KV memory budget holds {self.kv_budget_tokens:,} tokens ({self.kv_budget_tokens * per_token / 1e9:.2f} "
+                f"GB at {per_token:,} B/token) but one sequence of --max-model-len {self.max_model_len:,} (+ draft room) "
+                f"needs {longest:,} ({longest * per_token / 1e9:.2f} GB): raise --kv-memory or lower --max-model-len"
             )
-        self.kv_budget_tokens = kv_budget_tokens
-        self.batch = SpecBatch(target, drafter, policy, max_batch=max_running, max_len=longest,
-                               kv_budget_tokens=kv_budget_tokens)
+        log.info("KV budget: %s tokens (%s, %s B/token); max_model_len %s", f"{self.kv_budget_tokens:,}", source,
+                 f"{per_token:,}", self.max_model_len)
+        self.batch = SpecBatch(target, drafter, policy, max_batch=config.max_running, max_len=longest,
+                               kv_budget_tokens=self.kv_budget_tokens)
         self._reserved: dict[object, int] = {}  # running sequence -> KV slots it may grow to
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
         self._running: dict[object, GenerationRequest] = {}  # SpecBatch sequence -> request
         self._wake = threading.Condition()
         self._stopping = False
+        self._aborting = False  # abort(): end every request now ("abort"), admit nothing more
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ public, any thread
@@ -154,17 +155,25 @@ class Scheduler:
     def submit(self, request: GenerationRequest) -> None:
         """Queue a request; QueueFullError when --max-queue requests already wait."""
         with self._wake:
-            if not self.alive or self._stopping:
-                raise SchedulerStoppedError("the generation scheduler is not running")
-            if len(self._waiting) >= self.max_queue and len(self._running) + len(self._waiting) >= self.max_running:
-                raise QueueFullError(f"server busy: {len(self._waiting)} requests already waiting (max {self.max_queue})")
+            if not self.alive or self._stopping or self._aborting:
+                raise SchedulerStoppedError("the generation scheduler is not running (the server is starting or stopping)")
+            max_queue = self.config.max_queue
+            if len(self._waiting) >= max_queue and len(self._running) + len(self._waiting) >= self.config.max_running:
+                raise QueueFullError(f"server busy: {len(self._waiting)} requests already waiting (max {max_queue})")
             self._waiting.append(request)
             self._wake.notify_all()
 
     def cancel(self, request: GenerationRequest) -> None:
         """The client went away: the scheduler drops the request and frees its row before the next step."""
         with self._wake:
-            request.cancelled = True
+            request.cancel("cancelled")
+            self._wake.notify_all()
+
+    def abort(self) -> None:
+        """End every request now, running or waiting, with finish_reason "abort" (their text so far), and
+        admit nothing more: the bounded SIGTERM drain (serve.py). Handled between steps."""
+        with self._wake:
+            self._aborting = True
             self._wake.notify_all()
 
     # ------------------------------------------------------------------ the scheduler thread
@@ -175,6 +184,9 @@ class Scheduler:
                     self._wake.wait()
                 if self._stopping:
                     break
+                if self._aborting:
+                    for request in [*self._waiting, *self._running.values()]:
+                        request.cancel("abort")
                 cancelled_waiting = [r for r in self._waiting if r.cancelled]
                 for request in cancelled_waiting:
                     self._waiting.remove(request)
@@ -196,7 +208,7 @@ class Scheduler:
     def _pop_admissible(self) -> list[GenerationRequest]:
         """Waiting requests (FIFO) that fit the free rows, the padded prefill budget (at least one) and the
         KV budget. The cache is one rectangle, so the KV budget must hold rows x the longest reservation."""
-        room = self.max_running - len(self._running)
+        room = self.config.max_running - len(self._running)
         admitted: list[GenerationRequest] = []
         longest = 0
         widest = max(self._reserved.values(), default=0)
@@ -205,11 +217,13 @@ class Scheduler:
             if head.cancelled:  # it leaves in the next round without taking a row
                 admitted.append(self._waiting.popleft())
                 continue
+            # one admission prefill pads every prompt to the longest: cap rows x longest so a burst of long
+            # prompts cannot stall the running sequences (or blow up attention memory) in one forward
             candidate = max(longest, len(head.prompt_ids))
-            if admitted and (len(admitted) + 1) * candidate > self.max_prefill_tokens:
+            if admitted and (len(admitted) + 1) * candidate > self.config.max_prefill_tokens:
                 break
             wider = max(widest, self._reservation(head))
-            over_budget = self.kv_budget_tokens is not None and (len(self._running) + len(admitted) + 1) * wider > self.kv_budget_tokens
+            over_budget = (len(self._running) + len(admitted) + 1) * wider > self.kv_budget_tokens
             if over_budget and (self._running or admitted):  # alone it always fits (checked at start-up)
                 break  # waits until running sequences finish and free KV memory
             admitted.append(self._waiting.popleft())
@@ -266,7 +280,7 @@ class Scheduler:
             if request.cancelled:
                 if seq in self.batch.seqs:
                     self.batch.remove(seq)  # frees the cache row now
-                self._finish(request, "cancelled")
+                self._finish(request, request.end_reason)
 
     def _drop_orphans(self) -> None:
         """A request whose sequence left the batch without being delivered (cannot happen) must not hang."""
@@ -286,10 +300,10 @@ class Scheduler:
         self._push(request, FinishedEvent(reason, text, output, seq.stats))
 
     def _finish_unstarted(self, request: GenerationRequest) -> None:
-        """Cancelled while still waiting: it never took a row."""
+        """Cancelled (or aborted) while still waiting: it never took a row."""
         stats = SpecStats()
-        self.metrics.record_finished(stats, "cancelled", None)
-        self._push(request, FinishedEvent("cancelled", "", [], stats))
+        self.metrics.record_finished(stats, request.end_reason, None)
+        self._push(request, FinishedEvent(request.end_reason, "", [], stats))
 
     def _finish_with_error(self, request: GenerationRequest, message: str) -> None:
         seq = request.sequence
