@@ -15,6 +15,8 @@ import uvicorn
 from specdec import SamplingParams, generate, make_drafter
 from specdec.draft import Draft
 from specdec.drafters.base import DraftCost, Drafter
+from specdec.loop import SpecBatch
+from specdec.models.base import ContextLengthError
 from specdec.server import TextDeltas, create_app
 from specdec.budget import parse_gamma
 from specdec.server.serve import add_serve_arguments
@@ -196,6 +198,27 @@ def test_invalid_chat_requests_get_openai_style_errors(smollm2, base_url, body, 
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert words.lower() in error["message"].lower() and error["type"]
+
+
+def test_generate_the_loop_and_the_server_refuse_a_size_with_one_message(smollm2):
+    """One size rule (Target.check_fits): past the model's window, the server (its context set to the
+    window), generate and SpecBatch.add refuse with the same words (the server says max_tokens)."""
+    window = smollm2.context_window
+    prompt_ids = list(smollm2.tokenizer("The three largest cities of Japan are")["input_ids"])
+    too_many = window - len(prompt_ids) + 1
+    with pytest.raises(ContextLengthError) as by_generate:
+        generate(smollm2, prompt_ids, max_new_tokens=too_many)
+    with pytest.raises(ContextLengthError) as by_the_loop:
+        SpecBatch(smollm2, max_batch=1, max_len=64).add([prompt_ids], [SamplingParams()], [too_many], [()])
+    assert str(by_the_loop.value) == str(by_generate.value)
+    assert f"lower max_new_tokens to at most {window - len(prompt_ids):,}" in str(by_generate.value)
+    with running_server(create_app(smollm2, None, max_running=1, max_model_len=window)) as url:
+        answer = httpx.post(url + "/v1/completions", timeout=60,
+                            json={"model": smollm2.name, "prompt": prompt_ids, "max_tokens": too_many})
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["message"] == str(by_generate.value).replace("max_new_tokens", "max_tokens")
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "max_tokens")
 
 
 def test_other_invalid_requests(smollm2, base_url):
