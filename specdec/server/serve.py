@@ -94,11 +94,16 @@ class DrainingServer(uvicorn.Server):
         self.scheduler, self.drain_s = scheduler, drain_s
 
     async def shutdown(self, sockets=None):
-        abort = asyncio.get_running_loop().call_later(self.drain_s, self.scheduler.abort)
+        abort = asyncio.get_running_loop().call_later(self.drain_s, self._abort)
         try:
             await super().shutdown(sockets)
         finally:
             abort.cancel()
+
+    def _abort(self) -> None:
+        log.warning("shutdown timeout (%g s) reached: ending %d running and %d waiting requests with finish_reason "
+                    "'abort'", self.drain_s, self.scheduler.running, self.scheduler.queue_length)
+        self.scheduler.abort()
 
 
 def run_serve(args) -> int:
