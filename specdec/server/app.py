@@ -199,7 +199,8 @@ class _Server:
         """max_tokens for this request (none given: --default-max-tokens, cut to the room the prompt
         leaves), or a 400 from the one size rule (Target.check_fits) against --max-model-len."""
         prompt_len, context = len(prompt_ids), self.scheduler.max_model_len
-        max_tokens = requested if requested is not None else min(self.config.default_max_tokens, max(context - prompt_len, 1))
+        room = max(context - prompt_len, 1)  # a prompt past the context is refused below, with its own words
+        max_tokens = requested if requested is not None else min(self.config.default_max_tokens, room)
         try:
             self.target.check_fits(prompt_len, max_tokens, max_len=context, budget_name="max_tokens")
         except ContextLengthError as error:

@@ -36,7 +36,7 @@ class ServerConfig:
     max_running: int = 8  # sequences in the running batch
     max_queue: int = 64  # waiting requests before answering 429
     max_model_len: int | None = None  # prompt + completion per request (None: the window, at most DEFAULT_MAX_MODEL_LEN)
-    api_key: str | None = field(default=None, repr=False)  # required as 'Authorization: Bearer KEY' on every route but /health
+    api_key: str | None = field(default=None, repr=False)  # 'Authorization: Bearer KEY' on all but /health
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     default_max_tokens: int = 512  # max_tokens of a request that gives none
     max_prefill_tokens: int = 4096  # rows x longest prompt of one admission prefill

@@ -105,18 +105,19 @@ class Scheduler:
         policy = budget_policy or budget_policy_for(target, drafter, config.gamma)
         # size the cache so any prompt + max_tokens <= max_model_len fits with the largest draft block
         longest = kv_room(policy, drafter, self.max_model_len, 0)  # a max-length request
-        self.kv_budget_tokens, source = config.kv_budget(target)
+        budget, source = config.kv_budget(target)
         per_token = target.kv_bytes_per_token
-        if self.kv_budget_tokens < longest:
+        if budget < longest:
             raise ValueError(
-                f"the KV memory budget holds {self.kv_budget_tokens:,} tokens ({self.kv_budget_tokens * per_token / 1e9:.2f} "
-                f"GB at {per_token:,} B/token) but one sequence of --max-model-len {self.max_model_len:,} (+ draft room) "
-                f"needs {longest:,} ({longest * per_token / 1e9:.2f} GB): raise --kv-memory or lower --max-model-len"
+                f"the KV memory budget holds {budget:,} tokens ({budget * per_token / 1e9:.2f} GB at {per_token:,} "
+                f"B/token) but one sequence of --max-model-len {self.max_model_len:,} (+ draft room) needs {longest:,} "
+                f"({longest * per_token / 1e9:.2f} GB): raise --kv-memory or lower --max-model-len"
             )
-        log.info("KV budget: %s tokens (%s, %s B/token); max_model_len %s", f"{self.kv_budget_tokens:,}", source,
-                 f"{per_token:,}", self.max_model_len)
+        log.info("KV budget: %s tokens (%s, %s B/token); max_model_len %s", f"{budget:,}", source, f"{per_token:,}",
+                 self.max_model_len)
+        self.kv_budget_tokens = budget  # KV token slots the running batch may hold (rows x longest reservation)
         self.batch = SpecBatch(target, drafter, policy, max_batch=config.max_running, max_len=longest,
-                               kv_budget_tokens=self.kv_budget_tokens)
+                               kv_budget_tokens=budget)
         self._reserved: dict[object, int] = {}  # running sequence -> KV slots it may grow to
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
         self._running: dict[object, GenerationRequest] = {}  # SpecBatch sequence -> request
