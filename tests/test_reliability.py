@@ -148,9 +148,9 @@ def test_cli_generate_size_errors_are_one_line(capsys):
 
 
 def test_serve_refuses_configurations_that_can_never_fit(capsys):
-    code, lines = _cli(capsys, "serve", "--max-model-len", "100000", "--port", "1")
+    code, lines = _cli(capsys, "serve", "--max-model-len", "100000", "--port", "0")
     assert code == 2 and "context window of 8,192 tokens" in _one_error_line(lines)
-    code, lines = _cli(capsys, "serve", "--max-model-len", "4096", "--kv-memory", "0.05", "--port", "1")
+    code, lines = _cli(capsys, "serve", "--max-model-len", "4096", "--kv-memory", "0.05", "--port", "0")
     line = _one_error_line(lines)
     assert code == 2 and "KV memory budget holds 1,085 tokens" in line and "needs 4,098" in line
 

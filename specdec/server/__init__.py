@@ -2,6 +2,7 @@
 
 from .app import create_app
 from ..streaming import TextDeltas
+from .config import ServerConfig
 from .scheduler import Scheduler
 
-__all__ = ["Scheduler", "TextDeltas", "create_app"]
+__all__ = ["Scheduler", "ServerConfig", "TextDeltas", "create_app"]
