@@ -3,7 +3,6 @@
 # (default: all). Run on a quiet machine, one section at a time; logs and results in runs/.
 #   bash scripts/measure.sh profiles | plain | bench15 | auto15 | quick | heads05 | load05
 set -x
-export OMP_WAIT_POLICY=PASSIVE
 S=.venv/bin/specdec
 mkdir -p runs
 

@@ -228,7 +228,7 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
     questions_path = Path(config.questions_path) if config.questions_path else default_questions_path()
     questions = select_questions(load_questions(questions_path), config.limit_per_kind, config.task_kinds)
     out_dir = Path(config.out_dir) if config.out_dir else Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
-    run = _Run(config, questions, sampling, _reference_labels(specs, entries))
+    run = _BenchRun(config, questions, sampling, _reference_labels(specs, entries))
     specs = run.drop_missing_runtimes(specs, entries)  # a peer library not installed: say so now, run the rest
 
     owns_target = target is None
@@ -296,8 +296,9 @@ def _environment() -> dict:
             "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-class _Run:
-    """Per-turn rows, method records and mismatches of one benchmark run."""
+class _BenchRun:
+    """One benchmark run: runs the methods question by question and keeps its per-turn rows,
+    method records and mismatches (loop.BatchRun is one batch of prompts through the decoding loop)."""
 
     def __init__(self, config: BenchConfig, questions: list[Question], sampling: SamplingParams,
                  reference_of: dict[str, str]):
