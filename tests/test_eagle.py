@@ -22,7 +22,7 @@ from specdec.heads import FrozenTargetParts, eagle3_layers, target_description
 from specdec.heads.export import export_eagle3, export_medusa
 from specdec.loop import run
 from specdec.train import DataSettings, TrainSettings, build_dataset, build_heads, load_samples, save_checkpoint, train
-from specdec.train.trainer import chain_starts, label_rows, make_batch
+from specdec.train.batches import chain_starts, label_rows, make_batch
 
 DRAFTERS = {"eagle1": Eagle1Drafter, "eagle3": Eagle3Drafter}
 DRAFT_VOCAB = 16  # EAGLE-3's reduced vocabulary on the 24-token counter

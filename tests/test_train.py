@@ -271,7 +271,7 @@ def test_training_loss_falls_below_limit(trained, kind):
 
 def test_sampled_vocab_covers_labels_and_scores_like_the_full_head(counter, counter_data):
     from specdec.heads import FrozenTargetParts
-    from specdec.train.trainer import SampledVocab
+    from specdec.train.batches import SampledVocab
 
     _, samples = load_samples(counter_data, [counter.num_layers], counter)
     vocab = SampledVocab.from_samples(samples, counter.vocab_size, negatives=2)
@@ -338,7 +338,7 @@ def test_data_stores_the_targets_top1_and_old_shards_are_upgraded(counter, count
 
 
 def test_label_rows_use_the_targets_choice_and_prompt_rows_widen_them():
-    from specdec.train.trainer import Batch, label_rows
+    from specdec.train.batches import Batch, label_rows
 
     tokens = torch.tensor([[5, 6, 7, 8, 9, 0]])  # one row: 5 tokens (prompt 5, 6, 7) + padding
     target_next = torch.tensor([[16, 17, 18, 19, 20, 0]])  # the target's top-1 after each position
@@ -355,7 +355,8 @@ def test_feature_loss_is_smooth_l1_to_the_targets_top_hidden(counter, counter_da
     import torch.nn.functional as F
 
     from specdec.heads import FrozenTargetParts
-    from specdec.train.trainer import heads_loss, label_rows, make_batch
+    from specdec.train.batches import label_rows, make_batch
+    from specdec.train.trainer import heads_loss
 
     heads = build_heads("medusa", counter, 1)
     torch.nn.init.normal_(heads.heads[0][0].weight, std=0.1)
@@ -747,7 +748,7 @@ def test_corpus_data_bad_input_is_a_clear_error(counter, tmp_path):
 
 
 def test_label_rows_keep_only_rows_on_the_targets_greedy_path():
-    from specdec.train.trainer import Batch, label_rows
+    from specdec.train.batches import Batch, label_rows
 
     # the target's top-1 after token i is i + 1; the text leaves that path at t = 3 (token 9, not 5)
     tokens = torch.tensor([[1, 2, 3, 9, 10, 11, 12]])
@@ -802,7 +803,7 @@ def test_crop_window_keeps_the_answer_rows():
     it (a uniform window would often hold none of the answer: a step spent on rows that never count);
     a long answer gets windows inside it; `prompt_rows` (every row counts) keeps uniform windows."""
     from specdec.train.data import Sample
-    from specdec.train.trainer import crop_start, make_batch
+    from specdec.train.batches import crop_start, make_batch
 
     def sample(prompt: int, answer: int) -> Sample:
         length = prompt + answer
