@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 
 from specdec import generate, load_target, make_drafter  # first: the package sets OMP_WAIT_POLICY before torch loads

@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..checks import check_positive_int
@@ -410,7 +411,9 @@ class MTPSequentialModule(ChainedModule):
         passes RMSNorm(hidden) through (the token half starts at zero) and the block (a copy of the
         target's last block, so its attention / MLP features are meaningful) has its two output
         projections zeroed, so it starts as the identity on the residual stream — zero-initialised
-        residual branches (docs/results.md: why not a random projection)."""
+        residual branches. From a random projection instead the module learnt a bigram model of the
+        next token and ignored the hidden state (top-1 0.19 at every depth after 250 steps on
+        Qwen2.5-Coder-0.5B, vs 0.36 after 150 with this start)."""
         self.block.load_state_dict(dense_state_dict(target.model.model.layers[-1]))
         hidden_size = self.proj.weight.shape[0]
         with torch.no_grad():
