@@ -105,9 +105,9 @@ def run_section(run_dir: Path, document: dict, page_dir: Path) -> str:
 def results_page(results_dir: Path, page_path: Path) -> str:
     """The whole page for every run under results_dir, with links relative to page_path."""
     runs = load_runs(results_dir)
+    if not runs:  # never replace the page with one without numbers
+        raise ValueError(f"no runs in {results_dir} (no */results.json): run `specdec bench ... --out {results_dir}/NAME` first")
     sections = [INTRO.rstrip("\n")]
-    if not runs:
-        sections.append(f"No runs are committed yet: run `specdec bench ... --out {results_dir}/NAME` and regenerate.")
     for run_dir, document in runs:
         sections.append(run_section(run_dir, document, page_path.parent))
     return "\n\n".join(sections) + "\n"
@@ -121,11 +121,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         page = results_page(args.results, args.out)
+        args.out.write_text(page)
     except (OSError, ValueError) as error:
         print(f"specdec: error: {error}", file=sys.stderr)
         return 2
-    args.out.write_text(page)
-    print(f"wrote {args.out} ({page.count(chr(10))} lines, {len(load_runs(args.results))} runs)")
+    print(f"wrote {args.out} ({page.count(chr(10))} lines)")
     return 0
 
 

@@ -277,6 +277,9 @@ def test_results_page_from_a_real_run(smollm2_bench, results_page, tmp_path, cap
     finally:
         (run_dir.parent / "broken" / "results.json").unlink()
     assert "specdec: error:" in capsys.readouterr().err and not (tmp_path / "other.md").exists()
+    (tmp_path / "no-runs").mkdir()  # a folder without runs never replaces the page with one without numbers
+    assert results_page.main(["--results", str(tmp_path / "no-runs"), "--out", str(page_path)]) == 2
+    assert "no runs in" in capsys.readouterr().err and page_path.read_text() == page
 
 
 def test_planted_mismatch_fails_the_run(smollm2, tmp_path, capsys):
