@@ -4,7 +4,6 @@ PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-export OMP_WAIT_POLICY := PASSIVE
 
 .PHONY: venv demo test bench clean-venv
 

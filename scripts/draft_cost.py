@@ -12,19 +12,16 @@ step in the same process gives T(1), so the costs are also reported in units of 
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import tempfile
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from specdec import generate, load_target, make_drafter  # first: the package sets OMP_WAIT_POLICY before torch loads
+from specdec.heads import build_heads
+from specdec.heads.checkpoint import save_checkpoint, target_description
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import tempfile  # noqa: E402
-
-import torch  # noqa: E402
-
-from specdec import generate, load_target, make_drafter  # noqa: E402
-from specdec.heads import build_heads  # noqa: E402
-from specdec.heads.checkpoint import save_checkpoint, target_description  # noqa: E402
+import torch  # noqa: E402, I001  (after specdec, see above)
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
 

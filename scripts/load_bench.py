@@ -113,9 +113,8 @@ def start_server(args, config: str, port: int, log_path: Path) -> subprocess.Pop
         command += ["--drafter", args.drafter, "--gamma", gamma]
         for pair in args.drafter_arg:
             command += ["--drafter-arg", pair]
-    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
     log = open(log_path, "w")  # noqa: SIM115 - closed by the caller via process.log
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     process.log = log
     deadline = time.monotonic() + args.startup_timeout
     while time.monotonic() < deadline:

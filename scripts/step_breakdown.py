@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import sys
 import time
 from pathlib import Path
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported
 
 # this checkout's specdec (not whichever one the environment installed), and load_bench's prompts
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]

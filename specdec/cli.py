@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import inspect
+import json
 import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported (docs/architecture.md, Machine facts)
-
-import argparse  # noqa: E402
-import importlib  # noqa: E402
-import inspect  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import sys
+import time
 
 # subcommand -> (module, function adding its arguments to a subparser, function running it).
 # Each feature owns its arguments; the CLI only routes.

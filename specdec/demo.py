@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import os
+import sys
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from rich.console import Console
 
-import sys  # noqa: E402
-
-from rich.console import Console  # noqa: E402
-
-from . import generate, load_target, make_drafter  # noqa: E402
-from .models.registry import DEFAULT_MODEL  # noqa: E402
+from . import generate, load_target, make_drafter
+from .models.registry import DEFAULT_MODEL
 
 PROMPT = (
     "Here is a short Python function:\n\n"

@@ -21,6 +21,7 @@ plain" compares two runs of one code path that differ only in the draft.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -129,7 +130,7 @@ class SpecBatch:
         sequence's first token."""
         rows = self.cache.rows(first_row, first_row + len(new))
         rows.truncate(0)
-        with _timers(new, "verify"):
+        with _timed_for_all(new, "verify"):
             lengths = torch.tensor([len(p) for p in prompts])
             width = int(lengths.max())
             tokens = torch.tensor([list(p) + [p[-1]] * (width - len(p)) for p in prompts])  # [b, T]
@@ -166,10 +167,10 @@ class SpecBatch:
         for seq, budget in zip(seqs, budgets):
             with seq.stats.timer("draft"):
                 drafts.append(_propose(seq, budget))
-        with _timers(seqs, "other"):
+        with _timed_for_all(seqs, "other"):
             drafts = self.policy.verify_prefixes(seqs, drafts)
         rows = self.cache.rows(0, len(seqs))
-        with _timers(seqs, "verify"):
+        with _timed_for_all(seqs, "verify"):
             # 3. one batch: [root, *draft nodes, padding] per row, tree masks, positions
             starts = rows.lengths.clone()
             width = 1 + max(len(d) for d in drafts)
@@ -252,7 +253,7 @@ def _as_stop_tuple(stops) -> tuple[str, ...]:
     return (stops,) if isinstance(stops, str) else tuple(stops)
 
 
-class Run:
+class BatchRun:
     """One batch generation. Iterating runs it: after the prefill and after every step it yields
     the tokens each sequence committed then (one list per prompt). When the iteration has ended,
     `result` holds one Generation per prompt; `finish()` runs to the end and returns it."""
@@ -286,9 +287,9 @@ def run(
     sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
     stop: Sequence[str] = (),
     budget_policy=None,
-) -> Run:
-    """Generate for a batch of prompts (token ids); nothing runs until the Run is iterated."""
-    return Run(_run_steps(target, prompts, drafter, max_new_tokens, sampling, stop, budget_policy))
+) -> BatchRun:
+    """Generate for a batch of prompts (token ids); nothing runs until the BatchRun is iterated."""
+    return BatchRun(_run_steps(target, prompts, drafter, max_new_tokens, sampling, stop, budget_policy))
 
 
 def _run_steps(target, prompts, drafter, max_new_tokens, sampling, stop, budget_policy):
@@ -374,18 +375,10 @@ def _hit_stop_string(seq: RunningSequence, target) -> bool:
     return False
 
 
-class _timers:
+@contextmanager
+def _timed_for_all(seqs, name: str) -> Iterator[None]:
     """Time one shared block into every listed sequence's stats (a batch step serves them all)."""
-
-    def __init__(self, seqs, name: str):
-        self.seqs, self.name = seqs, name
-
-    def __enter__(self):
-        self.contexts = [seq.stats.timer(self.name) for seq in self.seqs]
-        for context in self.contexts:
-            context.__enter__()
-
-    def __exit__(self, *exc):
-        for context in self.contexts:
-            context.__exit__(*exc)
-        return False
+    with ExitStack() as timers:
+        for seq in seqs:
+            timers.enter_context(seq.stats.timer(name))
+        yield

@@ -14,14 +14,10 @@ CLI: ``specdec theory --alpha 0.6,0.7,0.8 --gamma 1..8 --c 0.05 [--verify-cost 1
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # entry point: before torch may be imported
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import sys  # noqa: E402
+import argparse
+import json
+import math
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -93,13 +89,6 @@ def optimal_gamma(
         if speedup > best_speedup:
             best_gamma, best_speedup = gamma, speedup
     return best_gamma, best_speedup
-
-
-def latency_per_token(draft_ms: float, verify_ms: float, tau: float) -> float:
-    """L = (T_draft + T_verify) / tau (docs/architecture.md), in the units of the inputs."""
-    if tau <= 0:
-        raise ValueError(f"tau must be > 0, got {tau}")
-    return (draft_ms + verify_ms) / tau
 
 
 def tree_expected_tau(parents: Sequence[int], node_accept_probs: Sequence[float]) -> float:

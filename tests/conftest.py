@@ -1,11 +1,10 @@
-"""Shared fixtures. OMP_WAIT_POLICY must be set before torch is imported (see docs/architecture.md, "Machine facts")."""
+"""Shared fixtures."""
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import specdec  # noqa: F401  (first: the package sets OMP_WAIT_POLICY before torch is imported, docs/architecture.md "Machine facts")
+import pytest
+import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

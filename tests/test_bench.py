@@ -1,6 +1,13 @@
 """`specdec bench`: question selection, summary math, a real SmolLM2 run, and a planted mismatch."""
 
+import argparse
+import importlib.util
 import json
+import os
+import shlex
+import sys
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -13,10 +20,12 @@ from specdec.bench.questions import (
     load_questions,
     select_questions,
 )
+from specdec.bench.environment import KERNEL_CPU_FEATURES, bench_command, describe_machine
 from specdec.bench.report import PLOT_FILES, method_summary_rows
-from specdec.bench.runner import MethodSpec
+from specdec.bench.runner import MethodSpec, add_bench_arguments, config_from_args
 
 QUESTIONS = default_questions_path()  # package data: always there
+RESULTS_PAGE = Path(__file__).resolve().parents[1] / "scripts" / "results_page.py"
 
 
 def _write_jsonl(path, records):
@@ -125,6 +134,42 @@ def test_summary_reports_the_draft_sizes_that_were_verified():
     assert "| plain | 0" not in markdown  # a method that never drafted has no row
 
 
+def _config_of_command(command: str) -> BenchConfig:
+    words = shlex.split(command)
+    start = words.index("specdec")
+    assert words[start + 1] == "bench", command
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    return config_from_args(parser.parse_args(words[start + 2:]))
+
+
+@pytest.mark.parametrize("config", [
+    BenchConfig(),
+    BenchConfig(methods=["plain", "pld:max_ngram=3", "hf-plain"], target="/models/my dir", draft_model="qwen2.5-coder-0.5b",
+                task_kinds=["qa", "rag"], limit_per_kind=None, max_new_tokens=32, gamma=5, temperature=0.7, top_k=40,
+                top_p=0.9, seed=3, dtype="bfloat16", weights="gguf-a8", out_dir="docs/results/x", warmup=False),
+    BenchConfig(limit_per_kind=1, gamma="auto", questions_path="/data/q s.jsonl"),
+])
+def test_bench_command_reproduces_the_config(config, monkeypatch):
+    for key in [k for k in os.environ if k.startswith("SPECDEC_")]:
+        monkeypatch.delenv(key)
+    command = bench_command(config)
+    assert command.startswith("specdec bench --methods ")
+    assert _config_of_command(command) == config  # progress is display only and stays at its default here
+    monkeypatch.setenv("SPECDEC_KERNEL_ISA", "avx2")  # kernel settings change what is measured: they lead the command
+    monkeypatch.setenv("SPECDEC_CACHE", "/tmp/elsewhere")  # where files are kept does not
+    assert bench_command(config).startswith("SPECDEC_KERNEL_ISA=avx2 specdec bench ")
+
+
+def test_machine_named_by_the_kernel_s_cpu_features():
+    base = {"cpu": "AMD EPYC", "threads": 2}
+    assert describe_machine({**base, "cpu_features": ["avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16"]}) == \
+        "AMD EPYC, AVX-512 VNNI/BF16, no AMX, 2 threads"
+    assert describe_machine({**base, "cpu_features": ["avx2", "avx512f", "avx512_vnni", "amx_tile", "amx_int8"]}) == \
+        "AMD EPYC, AVX-512 VNNI, AMX, 2 threads"
+    assert describe_machine({**base, "cpu_features": ["avx2", "fma", "f16c"]}) == "AMD EPYC, AVX2, no AMX, 2 threads"
+
+
 def test_unknown_method_fails_before_loading_anything(capsys):
     from specdec.cli import main
 
@@ -135,15 +180,24 @@ def test_unknown_method_fails_before_loading_anything(capsys):
 # ---------------------------------------------------------------------------- SmolLM2
 
 
-def test_bench_smollm2_every_kind(smollm2, tmp_path):
-    drafter = _drafter_name()
-    methods = ["plain", drafter, "hf-plain", "hf-assisted", "small-model"]
-    config = BenchConfig(methods=methods, limit_per_kind=1, max_new_tokens=16, gamma=4, out_dir=str(tmp_path),
+@pytest.fixture(scope="module")
+def smollm2_bench(smollm2, tmp_path_factory):
+    """One real tiny bench run (one question per task kind, 16 tokens) in <tmp>/smollm2-tiny, the way
+    `specdec bench --out docs/results/NAME` leaves a run: (its config, its folder)."""
+    out_dir = tmp_path_factory.mktemp("results") / "smollm2-tiny"
+    methods = ["plain", _drafter_name(), "hf-plain", "hf-assisted", "small-model"]
+    config = BenchConfig(methods=methods, limit_per_kind=1, max_new_tokens=16, gamma=4, out_dir=str(out_dir),
                          progress=False, warmup=False)  # the warm-up path runs in the planted-mismatch test
     result = run_benchmark(config, target=smollm2)
     assert result.exit_code == 0, result.mismatches
+    return config, out_dir
 
-    data = json.loads((tmp_path / "results.json").read_text())
+
+def test_bench_smollm2_every_kind(smollm2, smollm2_bench):
+    config, out_dir = smollm2_bench
+    drafter, methods = config.methods[1], config.methods
+
+    data = json.loads((out_dir / "results.json").read_text())
     questions = select_questions(load_questions(QUESTIONS), 1)
     expected = {(q.question_id, turn) for q in questions for turn in range(1, len(q.turns) + 1)}
     assert len(expected) == len(TASK_KINDS) + 1  # the multi-turn question has two turns
@@ -169,11 +223,63 @@ def test_bench_smollm2_every_kind(smollm2, tmp_path):
     for unavailable in ("hf-assisted", "small-model"):  # SmolLM2 has no same-tokenizer draft model
         assert summary[unavailable]["status"] == "n/a" and "draft model" in summary[unavailable]["reason"]
 
-    markdown = (tmp_path / "results.md").read_text()
+    markdown = (out_dir / "results.md").read_text()
     assert "| method | Multi-turn Conversation |" in markdown and f"| {drafter} |" in markdown
     assert "n/a: no draft model" in markdown
     for name in PLOT_FILES:
-        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert (out_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+    # what the results page needs: the command that reproduces the run, and the machine
+    recorded = data["config"]
+    assert replace(_config_of_command(recorded["command"]), progress=False) == config  # progress: display only
+    assert recorded["cpu"] and recorded["threads"] >= 1 and recorded["linear_backend"] == smollm2.linear_backend
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = set(next(line for line in cpuinfo if line.startswith("flags")).split(":", 1)[1].split())
+    assert set(recorded["cpu_features"]) == flags & set(KERNEL_CPU_FEATURES)
+
+
+@pytest.fixture(scope="module")
+def results_page():
+    spec = importlib.util.spec_from_file_location("results_page", RESULTS_PAGE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["results_page"] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("results_page", None)
+
+
+def test_results_page_from_a_real_run(smollm2_bench, results_page, tmp_path, capsys):
+    config, run_dir = smollm2_bench
+    page_path = tmp_path / "docs" / "results.md"
+    page_path.parent.mkdir()
+    assert results_page.main(["--results", str(run_dir.parent), "--out", str(page_path)]) == 0
+    page = page_path.read_text()
+    data = json.loads((run_dir / "results.json").read_text())
+    recorded, summary = data["config"], data["summary"]["methods"]
+    assert f"Machine: {describe_machine(recorded)};" in page
+    assert f"\n{recorded['command']}\n" in page  # the reproducing command, in a code block
+    drafter = config.methods[1]
+    for label in ("plain", drafter, "hf-plain"):  # each method's row: tokens/s and overall speedup with tau
+        overall = summary[label]["overall"]
+        row = next(line for line in page.splitlines() if line.startswith(f"| {label} |"))
+        assert f"| {overall['tokens_per_s']:.2f} |" in row, row
+        assert f"{overall['speedup']:.2f}x (τ {overall['tau']:.2f})" in row, row
+    checked = summary[drafter]["checked"]
+    assert checked == 7 and f"= plain ({checked} outputs)" in page  # the lossless check, every turn
+    assert "n/a: no draft model" in page
+    image = next(line for line in page.splitlines() if line.startswith("![speedup"))
+    assert (page_path.parent / image[image.index("(") + 1:-1]).resolve() == (run_dir / "speedup.png").resolve()
+    assert len(page.splitlines()) < 300
+    (run_dir.parent / "broken").mkdir()
+    (run_dir.parent / "broken" / "results.json").write_text("{not json")
+    try:
+        assert results_page.main(["--results", str(run_dir.parent), "--out", str(tmp_path / "other.md")]) == 2
+    finally:
+        (run_dir.parent / "broken" / "results.json").unlink()
+    assert "specdec: error:" in capsys.readouterr().err and not (tmp_path / "other.md").exists()
+    (tmp_path / "no-runs").mkdir()  # a folder without runs never replaces the page with one without numbers
+    assert results_page.main(["--results", str(tmp_path / "no-runs"), "--out", str(page_path)]) == 2
+    assert "no runs in" in capsys.readouterr().err and page_path.read_text() == page
 
 
 def test_planted_mismatch_fails_the_run(smollm2, tmp_path, capsys):

@@ -4,7 +4,7 @@ loss and resumes exactly after a kill, greedy output through the loop equals pla
 (batched), sampled output is distributed like the target (and a wrong q is caught), and the
 export is the DFlashDraftModel layout SGLang / vLLM load, loading back with identical logits.
 
-Training tests use the "counter" target of test_train.py (greedy decoding walks a cycle of
+Training tests use the "counter" target of train_support.py (greedy decoding walks a cycle of
 tokens); the structural tests run on SmolLM2 (real weights, seconds).
 """
 
@@ -15,7 +15,7 @@ import torch
 from conftest import assert_close_to_scale
 from safetensors.torch import load_file
 from test_eagle import WrongQ
-from test_train import _proposal, counter_selfdistill_data, make_counter_target, token_marginal_pvalues
+from train_support import counter_selfdistill_data, first_proposal, make_counter_target, token_marginal_pvalues
 
 from specdec import SamplingParams, generate
 from specdec.api import generate_batch
@@ -233,8 +233,8 @@ def test_export_is_the_dflash_layout_the_engines_load(counter, trained, tmp_path
     export_drafter = DFlashDrafter(counter, checkpoint=str(tmp_path / "fp32"))
     for prompt in ([5, 6, 7, 8], [20, 21, 22]):
         for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=3)):
-            a = _proposal(checkpoint_drafter, counter, prompt, 4, sampling)
-            b = _proposal(export_drafter, counter, prompt, 4, sampling)
+            a = first_proposal(checkpoint_drafter, counter, prompt, 4, sampling)
+            b = first_proposal(export_drafter, counter, prompt, 4, sampling)
             assert torch.equal(a.tokens, b.tokens) and (a.draft_probs is None) == (b.draft_probs is None)
             if a.draft_probs is not None:
                 assert torch.equal(a.draft_probs, b.draft_probs)

@@ -10,7 +10,7 @@ import torch
 from conftest import assert_close_to_scale
 from safetensors.torch import load_file
 from test_eagle import WrongQ
-from test_train import _proposal, counter_selfdistill_data, make_counter_target, token_marginal_pvalues
+from train_support import counter_selfdistill_data, first_proposal, make_counter_target, token_marginal_pvalues
 
 from specdec import SamplingParams, generate
 from specdec.api import generate_batch
@@ -262,7 +262,7 @@ def test_drafted_q_is_the_trained_computation(smollm2, draft_weights):
         assert drafter.linear_backend == expected_backend
         assert {linear.backend.name for linear in module.modules() if isinstance(linear, FastLinear)} == {expected_backend}
         prompt = smollm2.tokenizer.encode("The capital of France is")
-        draft = _proposal(drafter, smollm2, prompt, 5, SamplingParams(temperature=1.0, seed=1))
+        draft = first_proposal(drafter, smollm2, prompt, 5, SamplingParams(temperature=1.0, seed=1))
         assert draft.confidences is not None and draft.confidences.shape == (5,)
         parts = FrozenTargetParts.from_target(smollm2)
         cached = prompt[:-1]
@@ -496,8 +496,8 @@ def test_export_is_deepspec_layout_and_loads_back(counter, trained, tmp_path):
     from_export = DSparkDrafter(counter, checkpoint=str(tmp_path / "fp32"))
     for prompt in ([5, 6, 7, 8], [20, 21, 22]):
         for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=3)):
-            a = _proposal(from_checkpoint, counter, prompt, BLOCK, sampling)
-            b = _proposal(from_export, counter, prompt, BLOCK, sampling)
+            a = first_proposal(from_checkpoint, counter, prompt, BLOCK, sampling)
+            b = first_proposal(from_export, counter, prompt, BLOCK, sampling)
             assert torch.equal(a.tokens, b.tokens) and torch.equal(a.confidences, b.confidences)
             assert (a.draft_probs is None) == (b.draft_probs is None)
             if a.draft_probs is not None:

@@ -2,7 +2,7 @@
 greedy output identical to plain decoding, sampled output distributed like the target (and a wrong
 q is caught), the export layout SGLang / vLLM load, and the CLI end to end.
 
-Uses the "counter" target of test_train.py (greedy decoding walks a cycle of tokens).
+Uses the "counter" target of train_support.py (greedy decoding walks a cycle of tokens).
 """
 
 import json
@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_train import _proposal, counter_selfdistill_data, make_counter_target, token_marginal_pvalues
+from train_support import counter_selfdistill_data, first_proposal, make_counter_target, token_marginal_pvalues
 
 from specdec import SamplingParams, generate
 from specdec.api import generate_batch
@@ -22,7 +22,7 @@ from specdec.heads import FrozenTargetParts, eagle3_layers, target_description
 from specdec.heads.export import export_eagle3, export_medusa
 from specdec.loop import run
 from specdec.train import DataSettings, TrainSettings, build_dataset, build_heads, load_samples, save_checkpoint, train
-from specdec.train.trainer import chain_starts, label_rows, make_batch
+from specdec.train.batches import chain_starts, label_rows, make_batch
 
 DRAFTERS = {"eagle1": Eagle1Drafter, "eagle3": Eagle3Drafter}
 DRAFT_VOCAB = 16  # EAGLE-3's reduced vocabulary on the 24-token counter
@@ -179,7 +179,7 @@ def test_dynamic_tree_nodes_are_the_drafters_top_k_given_their_path(counter, tra
     drafter = DRAFTERS[kind](counter, checkpoint=str(checkpoint), tree_nodes=9, tree_topk=3, tree_depth=4)
     module, parts = drafter.heads, drafter.vocab.parts
     prompt = [9, 4, 17, 3, 11]
-    draft = _proposal(drafter, counter, prompt, 9)
+    draft = first_proposal(drafter, counter, prompt, 9)
     assert 1 < len(draft) <= 9 and draft.draft_probs is None and int(draft.depths.max()) > 1
     assert all(len(children) <= 3 for children in draft.children_lists)
     cached = prompt[:-1]
@@ -278,7 +278,7 @@ def test_export_is_the_sglang_vllm_layout_and_loads_back_with_identical_drafts(c
         exported = Eagle3Drafter(counter, checkpoint=str(tmp_path / "fp32"), **options)
         for prompt in ([5, 6, 7, 8], [20, 21, 22], [9, 4, 17, 3, 11]):
             for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=3)):
-                a, b = _proposal(ours, counter, prompt, 6, sampling), _proposal(exported, counter, prompt, 6, sampling)
+                a, b = first_proposal(ours, counter, prompt, 6, sampling), first_proposal(exported, counter, prompt, 6, sampling)
                 assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
                 assert (a.draft_probs is None) == (b.draft_probs is None)
                 if a.draft_probs is not None:
@@ -297,7 +297,7 @@ def test_published_style_and_wrong_target_exports(counter, trained, tiny_target,
 
     save_file({**tensors, "embed_tokens.weight": torch.zeros(counter.vocab_size, counter.hidden_size)},
               str(tmp_path / "e3" / "model.safetensors"))
-    assert len(_proposal(Eagle3Drafter(counter, checkpoint=str(tmp_path / "e3")), counter, [5, 6, 7, 8], 4)) > 0
+    assert len(first_proposal(Eagle3Drafter(counter, checkpoint=str(tmp_path / "e3")), counter, [5, 6, 7, 8], 4)) > 0
     with pytest.raises(ValueError, match="does not fit target"):
         Eagle3Drafter(tiny_target, checkpoint=str(tmp_path / "e3"))
     with pytest.raises(ValueError, match="checkpoint=DIR"):
@@ -391,7 +391,7 @@ def test_sampled_eagle_trees_keep_the_target_distribution(counter, trained, kind
     the real loop on a crafted pair.)"""
     drafter = DRAFTERS[kind](counter, checkpoint=str(trained[kind][0]), tree_nodes=3, tree_topk=2, tree_depth=2)
     prompt, runs = [5, 6, 7, 8], 1500
-    draft = _proposal(drafter, counter, prompt, 3, SamplingParams(1.0, seed=0))
+    draft = first_proposal(drafter, counter, prompt, 3, SamplingParams(1.0, seed=0))
     assert len(draft) == 3 and draft.draft_probs is not None and not draft.is_chain
     assert torch.allclose(draft.draft_probs.sum(-1), torch.ones(3))
     if kind == "eagle3":  # q is zero outside the reduced draft vocabulary

@@ -179,7 +179,7 @@ def test_no_prompt_is_or_contains_a_spec_bench_question(many_prompts):
 
 # ---------------------------------------------------------------------------- data jobs resume with their prompts
 def test_data_job_resumes_with_its_own_prompts_and_mix(tmp_path):
-    from test_train import make_counter_target
+    from train_support import make_counter_target
 
     from specdec.train.data import DataSettings, build_dataset
 
@@ -212,7 +212,7 @@ def test_data_job_resumes_with_its_own_prompts_and_mix(tmp_path):
 
 
 def test_a_bad_mix_writes_nothing(tmp_path):
-    from test_train import make_counter_target
+    from train_support import make_counter_target
 
     from specdec.train.data import DataSettings, build_dataset
 

@@ -161,16 +161,23 @@ def _speed_vs_own_reference(label: str, entry: dict, methods: dict) -> str | Non
     return f"{label}: {mine / theirs:.2f}x the tokens/s of its reference {entry['reference']} (overall)."
 
 
-def markdown_table(summary: dict, config: dict) -> str:
-    kinds = summary["kinds"]
+def markdown_title(config: dict) -> str:
+    """'specdec bench: TARGET (greedy, max N new tokens, Q questions: L per task kind, gamma G)'."""
     greedy = bool(config.get("equality_checked", True))
     sampling = "greedy" if greedy else f"temperature {config.get('temperature')}"
     limit = config.get("limit_per_kind")
     per_kind = "all questions" if limit is None else f"{limit} per task kind"
-    lines = [
-        f"## specdec bench: {config.get('target_name', '?')} ({sampling}, max {config.get('max_new_tokens')} new "
-        f"tokens, {config.get('questions')} questions: {per_kind}, gamma {config.get('gamma')})",
-        "",
+    return (f"specdec bench: {config.get('target_name', '?')} ({sampling}, max {config.get('max_new_tokens')} new "
+            f"tokens, {config.get('questions')} questions: {per_kind}, gamma {config.get('gamma')})")
+
+
+def markdown_table(summary: dict, config: dict, title: bool = True) -> str:
+    """The run's tables (speedup and τ per task kind, tokens/s, the output check, draft sizes),
+    under a `## markdown_title` heading unless title=False."""
+    kinds = summary["kinds"]
+    greedy = bool(config.get("equality_checked", True))
+    lines = [f"## {markdown_title(config)}", ""] if title else []
+    lines += [
         "Speedup vs specdec plain decoding in the same run (mean tokens/s per question), τ in parentheses.",
         "",
         "| method | " + " | ".join(TASK_KIND_TITLES[k] for k in kinds) + " | Overall | tokens/s | output vs reference |",
@@ -226,7 +233,7 @@ def _draft_size_table(summary: dict) -> list[str]:
     for label, entry in drafted.items():
         cells = [_format_size(entry["per_kind"][k]) for k in kinds] + [_format_size(entry["overall"])]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return lines
+    return lines + [""]  # a blank line ends the table before any note
 
 
 # ============================================================================ plots

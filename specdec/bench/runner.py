@@ -12,7 +12,8 @@ Order of work:
     4. greedy runs: every output is compared with its method's reference (plain decoding; for
        llama-lookup llama.cpp's own plain decoding), question by question and turn by turn; a
        specdec method that differs fails the run (exit code 1), a peer only warns
-    5. results.json, results.md and PNG plots in --out; the Markdown table is printed
+    5. results.json (with the command that reproduces the run and the machine: environment.py),
+       results.md and PNG plots in --out; the Markdown table is printed
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from . import METHODS, BenchMethod, MethodEntry, MethodOutput, MethodUnavailable, PeerSource, register_method_factory
 from . import peers as _peers  # noqa: F401  (registers the hf-* and llama-* methods)
+from .environment import bench_command, machine_record
 from .questions import TASK_KINDS, Question, default_questions_path, load_questions, select_questions
 from .report import BASELINE, method_summary_rows, write_reports
 from ..budget import budget_policy_for, parse_gamma
@@ -228,7 +230,7 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
     questions_path = Path(config.questions_path) if config.questions_path else default_questions_path()
     questions = select_questions(load_questions(questions_path), config.limit_per_kind, config.task_kinds)
     out_dir = Path(config.out_dir) if config.out_dir else Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
-    run = _Run(config, questions, sampling, _reference_labels(specs, entries))
+    run = _BenchRun(config, questions, sampling, _reference_labels(specs, entries))
     specs = run.drop_missing_runtimes(specs, entries)  # a peer library not installed: say so now, run the rest
 
     owns_target = target is None
@@ -236,6 +238,8 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
         from ..api import load_target
 
         target = load_target(config.target, dtype=config.dtype, progress=config.progress, weights=config.weights)
+    command = bench_command(config, None if owns_target else str(target.name))  # as given, before defaults are filled in
+    linear_backend = getattr(target, "linear_backend", None)
     target.check_fits(1, config.max_new_tokens)  # the size rule, before any method runs (each prompt is checked too)
     if config.draft_model is None:  # a copy: the caller's config is left as given
         config = replace(config, draft_model=DEFAULT_DRAFT_FOR_TARGET.get(config.target if owns_target else str(target.name)))
@@ -271,7 +275,8 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
         "questions_path": str(questions_path),
         "questions": len(questions),
         "equality_checked": sampling.greedy,
-        **_environment(),
+        "command": command,
+        **machine_record(linear_backend),
     }
     summary = method_summary_rows(run.rows, run.methods, [k for k in TASK_KINDS if any(q.task_kind == k for q in questions)])
     markdown = write_reports(out_dir, config_record, run.rows, run.methods, summary, run.mismatches)
@@ -284,20 +289,9 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
     return BenchResult(1 if failed or errors else 0, out_dir, run.rows, run.methods, summary, run.mismatches, markdown)
 
 
-def _environment() -> dict:
-    import platform
-
-    import torch
-    import transformers
-
-    llama_cpp = sys.modules.get("llama_cpp")  # imported only when a llama-* peer ran
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
-            "llama_cpp": getattr(llama_cpp, "__version__", None),
-            "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-
-
-class _Run:
-    """Per-turn rows, method records and mismatches of one benchmark run."""
+class _BenchRun:
+    """One benchmark run: runs the methods question by question and keeps its per-turn rows,
+    method records and mismatches (loop.BatchRun is one batch of prompts through the decoding loop)."""
 
     def __init__(self, config: BenchConfig, questions: list[Question], sampling: SamplingParams,
                  reference_of: dict[str, str]):

@@ -9,9 +9,10 @@ from .checkpoint import (
     CONFIG_FILE, check_target_matches, load_checkpoint, read_checkpoint_config, save_checkpoint, target_description,
     target_fingerprint,
 )
+from .target_parts import DRAFT_WEIGHTS, DraftVocab, FrozenTargetParts, draft_linears
 from .modules import (
-    DRAFT_WEIGHTS, HEAD_TYPES, LABEL_CONVENTION, ChainedModule, DraftHeads, DraftVocab, FrozenTargetParts, MedusaHeads,
-    MTPParallelHeads, MTPSequentialModule, build_heads, draft_linears, grow_cache,
+    HEAD_TYPES, LABEL_CONVENTION, ChainedModule, DraftHeads, MedusaHeads, MTPParallelHeads, MTPSequentialModule, build_heads,
+    grow_cache,
 )
 from .eagle import DEFAULT_EAGLE3_VOCAB, Eagle1Module, Eagle3Module, eagle3_config, eagle3_layers
 from .dflash import DFlashModule, dflash_hidden_layers, dflash_target_layer_ids

@@ -33,7 +33,8 @@ from torch import nn
 from ..checks import check_int, check_positive_int
 from ..kernels.skinny_gemm import rotate_half
 from ..models.llama import Block, RMSNorm
-from .modules import DraftHeads, FrozenTargetParts, TargetRope, dense_state_dict, register_head_type
+from .modules import DraftHeads, TargetRope, register_head_type
+from .target_parts import FrozenTargetParts, dense_state_dict
 
 DEFAULT_BLOCK_SIZE = 8
 DEFAULT_DRAFT_LAYERS = 3

@@ -26,7 +26,8 @@ from torch import nn
 
 from ..checks import check_positive_int
 from ..models.llama import MLP, Attention, Block, RMSNorm, block_flags, packed_linear
-from .modules import ChainedModule, FrozenTargetParts, dense_state_dict, register_head_type
+from .modules import ChainedModule, register_head_type
+from .target_parts import FrozenTargetParts, dense_state_dict
 
 DEFAULT_EAGLE3_VOCAB = 32000  # draft vocabulary size of the published EAGLE-3 drafters
 _DRAFT_CONFIG_KEYS = (  # what an EAGLE-3 checkpoint stores to rebuild the module without its target (export)

@@ -43,7 +43,6 @@ DFLASH_ARCHITECTURE = "DFlashDraftModel"
 DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
 _SEQUENTIAL_PREFIX = "sequential."  # DSparkModule.sequential: DeepSpec keeps markov_head / confidence_head at the top
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_SHAPE_FIELDS = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 
 
 def eagle3_export_config(module: Eagle3Module, dtype: str) -> dict:

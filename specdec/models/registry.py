@@ -29,9 +29,8 @@ from typing import Protocol, Sequence
 
 from tqdm.auto import tqdm
 
-from ..paths import cache_root
+from ..paths import MARKER_FILE, cache_root, read_marker
 
-MARKER_FILE = "specdec.json"  # written last into a converted dir; its presence = complete
 _READ_BLOCK = 8 * 1024 * 1024
 
 
@@ -355,13 +354,6 @@ def locate_gguf(spec: ModelSpec, progress: bool = True) -> Path:
 # ----------------------------------------------------------------------------- converted cache
 
 
-def _read_marker(model_dir: Path) -> dict | None:
-    try:
-        return json.loads((model_dir / MARKER_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def verify_cached(model_dir: Path | str) -> Path:
     """Check a converted cache dir; on corruption remove it and raise ModelCacheError.
 
@@ -371,7 +363,7 @@ def verify_cached(model_dir: Path | str) -> Path:
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
-    marker = _read_marker(model_dir) or {}
+    marker = read_marker(model_dir) or {}
     recorded_sizes: dict[str, int] = marker.get("file_sizes", {})
     weight_files = sorted(model_dir.glob("*.safetensors"))
     problem = None
@@ -435,7 +427,7 @@ def _process_running(pid: int) -> bool:
 def _is_complete(model_dir: Path, sha256: str | None) -> bool:
     from specdec.models.gguf import CONVERTER_VERSION
 
-    marker = _read_marker(model_dir)
+    marker = read_marker(model_dir)
     if marker is None:
         return False
     return marker.get("converter_version") == CONVERTER_VERSION and (sha256 is None or marker.get("source_sha256") == sha256)

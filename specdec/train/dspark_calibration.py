@@ -25,8 +25,9 @@ import torch.nn.functional as F
 
 from ..heads import DSparkModule, FrozenTargetParts, read_checkpoint_config, save_checkpoint
 from ..heads.dspark_module import analytic_acceptance, fit_sequential_temperatures, survival_ece, target_on_vocabulary
+from .batches import label_rows, make_batch
 from .data import Sample
-from .trainer import TrainSettings, label_rows, make_batch
+from .trainer import TrainSettings
 
 BLOCKS_PER_SAMPLE = 32
 CALIBRATION_FILE = "calibration.json"

@@ -46,7 +46,6 @@ SOURCES: dict[str, PromptSource] = {
         *(PromptSource(kind.name, kind.description, kind.licence) for kind in KINDS.values()),
     )
 }
-FINITE_POOLS = ("self-instruct", "python-docs", "code-tasks")  # the rest are KINDS: unbounded
 # close to what users send: Spec-Bench's six task kinds in about equal parts, a little code
 DEFAULT_MIX = {"conversation": 0.2, "translation": 0.15, "summarization": 0.15, "qa": 0.15, "math": 0.15, "rag": 0.15,
                "code": 0.05}
