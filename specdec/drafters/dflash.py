@@ -56,7 +56,8 @@ class DFlashDrafter(HeadDrafter):
         super().__init__(target, checkpoint, draft_vocab=draft_vocab, draft_weights=draft_weights, sample=sample)
         # one forward reads the module once for the whole block; each row reads its LM-head rows
         per_token = cost_per_token(self.heads, target, self.vocab, tokens_per_module_read=self.heads.num_positions)
-        self.cost = dataclasses.replace(self.cost, block=self.heads.num_positions, per_token=per_token)  # DSpark: scored
+        # the class's cost (DSpark's is scored) with this module's block and price
+        self.cost = dataclasses.replace(self.cost, block=self.heads.num_positions, per_token=per_token)
 
     def draft(self, ctx: DraftContext, budget: int) -> Draft:
         self.check_in_sync(ctx)
