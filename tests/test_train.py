@@ -54,7 +54,7 @@ def trained(counter, counter_data, tmp_path_factory):
 def drafter_for(kind, target, checkpoint=None, heads=None, rank_acc=None, **options):
     cls = MedusaDrafter if kind == "medusa" else MTPDrafter
     if heads is not None:
-        return cls.from_heads(target, heads, rank_acc=rank_acc, **options)
+        return cls.from_module(target, heads, rank_acc=rank_acc, **options)
     return cls(target, checkpoint=str(checkpoint), **options)
 
 

@@ -13,16 +13,13 @@ survivals to cut the block before verification (`--gamma auto`).
 
 from __future__ import annotations
 
-import dataclasses
-
-import torch
-
 from ..draft import Draft
-from ..heads import DraftVocab, DSparkModule
+from ..heads import DSparkModule
 from ..heads.export import is_dspark_export, load_dspark_export
-from .base import DraftContext, register_drafter
+from .base import DraftContext, DraftCost, register_drafter
 from .dflash import DFlashDrafter
-from .eagle import chain_chooser
+from .head_drafter import ChainPicks, chain_chooser
+from .head_runners import DFlashRunner
 
 
 @register_drafter
@@ -37,23 +34,17 @@ class DSparkDrafter(DFlashDrafter):
     """
 
     name = "dspark"
-
+    runners = {DSparkModule: DFlashRunner}
     is_export = staticmethod(is_dspark_export)
     load_export = staticmethod(load_dspark_export)
 
-    @torch.inference_mode()
-    def propose(self, ctx: DraftContext, budget: int) -> Draft:
-        hidden = self.block_rows(ctx, budget)  # [K, H]
-        if hidden is None:
-            return Draft.empty()
-        base_logits = self.heads.project(hidden, self.vocab.parts).float()  # [K, V'] over the draft vocabulary
-        tokens, probs, confidences = self.heads.sequential.draft(
-            base_logits, hidden, ctx.tokens[-1], chain_chooser(self.vocab, ctx, self.sample), self.vocab.ids)
-        return Draft.chain(torch.tensor(tokens, dtype=torch.long), probs, confidences)
+    # its drafts are scored: c_k reads h_k and the token before k, known before token k is drawn
+    cost = DraftCost(scored=True)
 
-    def _setup(self, target, heads, vocab: DraftVocab, sample: bool, draft_weights: str = "int8") -> None:
-        if not isinstance(heads, DSparkModule):
-            raise ValueError(f"the dspark drafter runs 'dspark' modules, got {heads.kind!r}")
-        super()._setup(target, heads, vocab, sample, draft_weights)
-        # its drafts are scored: c_k reads h_k and the token before k, known before token k is drawn
-        self.cost = dataclasses.replace(self.cost, scored=True)
+    def draft(self, ctx: DraftContext, budget: int) -> Draft:
+        self.check_in_sync(ctx)
+        hidden = self.runner.block_rows(ctx.tokens[-1], self.chain_length(budget))  # [K, H]
+        base_logits = self.heads.project(hidden, self.vocab.parts).float()  # [K, V'] over the draft vocabulary
+        picks = ChainPicks(chain_chooser(self.vocab, ctx, self.sample))
+        _, _, confidences = self.heads.sequential.draft(base_logits, hidden, ctx.tokens[-1], picks, self.vocab.ids)
+        return picks.draft(confidences)

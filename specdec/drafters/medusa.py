@@ -21,18 +21,19 @@ from __future__ import annotations
 
 import heapq
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ..checks import check_int
 from ..draft import Draft, TreeTemplate, tree_template_from_choices
-from ..heads import DraftVocab, FrozenTargetParts, MedusaHeads, draft_linears, load_checkpoint
-from .base import DraftContext, DraftCost, Drafter, register_drafter
+from ..heads import DraftVocab, MedusaHeads
+from .base import DraftContext, DraftCost, register_drafter
+from .head_drafter import DEFAULT_DRAFT_VOCAB, HeadCheckpoint, HeadDrafter, cost_per_token, tree_draft
+from .head_runners import MedusaRunner
 
 DEFAULT_TREE_NODES = 16
 MAX_TREE_NODES = 256
-DEFAULT_DRAFT_VOCAB = 8192  # most frequent training labels whose LM-head rows drafting computes (0 = all)
 
 
 def prior_rank_acc(num_positions: int, num_ranks: int = 10) -> list[list[float]]:
@@ -105,16 +106,10 @@ class ChoiceTree:
             self._templates[budget] = tree_template_from_choices(kept)
         return self._templates[budget]
 
-
-def top_candidates(template: TreeTemplate, logits: torch.Tensor, vocab: DraftVocab) -> list[list[int]]:
-    """logits [D, V'] over the draft vocabulary -> per depth the token ids the template's ranks need."""
-    return [vocab.tokens(logits[depth].topk(k).indices) for depth, k in enumerate(template.topk_per_depth)]
-
-
-def draft_from_candidates(template: TreeTemplate, candidates: list[list[int]]) -> Draft:
-    """Node i takes candidates[depth_i - 1][rank_i]; a deterministic proposal (draft_probs None)."""
-    tokens = [candidates[depth - 1][rank] for depth, rank in zip(template.depths, template.ranks)]
-    return Draft(torch.tensor(tokens, dtype=torch.long), template.parents_tensor(), None)
+    def draft(self, budget: int, depth_logits: Callable[[int], torch.Tensor], vocab: DraftVocab) -> Draft:
+        """The tree of this budget's nodes; depth_logits(D) -> logits [D, V'] of draft depths 1 .. D."""
+        template = self.for_budget(budget)
+        return tree_draft(template, depth_logits(template.max_depth), vocab)
 
 
 def build_choice_tree(num_positions: int, rank_acc, choices, tree_nodes: int, num_candidates: int) -> ChoiceTree:
@@ -129,19 +124,8 @@ def build_choice_tree(num_positions: int, rank_acc, choices, tree_nodes: int, nu
     return ChoiceTree([path for path in paths if max(path) < num_candidates], num_positions)
 
 
-def heads_cost_tokens(heads, target, vocab: DraftVocab, weights_shared_by_depths: bool = False) -> float:
-    """Draft cost per proposed token in target-decode units (weights read / target weights).
-
-    One depth reads its head's weights (all of them when one module serves every depth) and the
-    LM-head rows of the draft vocabulary."""
-    target_params = sum(p.numel() for p in target.model.parameters())
-    head_params = sum(p.numel() for p in heads.parameters())
-    per_depth = head_params if weights_shared_by_depths else head_params / heads.num_positions
-    return (per_depth + vocab.rows * target.hidden_size) / max(1, target_params)
-
-
 @register_drafter
-class MedusaDrafter(Drafter):
+class MedusaDrafter(HeadDrafter):
     """Trained Medusa heads proposing a static top-k tree (lossless: deterministic proposals).
 
     checkpoint: directory written by `specdec train medusa` (for this very target).
@@ -155,52 +139,15 @@ class MedusaDrafter(Drafter):
 
     name = "medusa"
     cost = DraftCost(trees=True)
+    runners = {MedusaHeads: MedusaRunner}
 
-    def __init__(self, target=None, checkpoint: str | None = None, choices: str | None = None, tree_nodes: int = DEFAULT_TREE_NODES,
-                 draft_vocab: int = DEFAULT_DRAFT_VOCAB, draft_weights: str = "int8"):
-        if target is None:
-            raise ValueError("the medusa drafter needs the target (its LM head and hidden states)")
-        if not checkpoint:
-            raise ValueError("the medusa drafter needs checkpoint=DIR: train heads with `specdec train medusa`")
-        heads, config = load_checkpoint(checkpoint, target, drafter=self.name)
-        self._setup(target, heads, config, choices, tree_nodes, draft_vocab, draft_weights)
+    def __init__(self, target=None, checkpoint: str | HeadCheckpoint | None = None, choices: str | None = None,
+                 tree_nodes: int = DEFAULT_TREE_NODES, draft_vocab: int = DEFAULT_DRAFT_VOCAB, draft_weights: str = "int8"):
+        super().__init__(target, checkpoint, draft_vocab=draft_vocab, draft_weights=draft_weights)
+        rank_acc = self.config.get("eval", {}).get("rank_acc")
+        self.tree = build_choice_tree(self.heads.num_positions, rank_acc, choices, tree_nodes, self.vocab.rows)
+        per_token = cost_per_token(self.heads, target, self.vocab, tokens_per_module_read=self.heads.num_positions)
+        self.cost = DraftCost(block=len(self.tree), per_token=per_token, trees=True)
 
-    @classmethod
-    def from_heads(cls, target, heads: MedusaHeads, rank_acc=None, choices=None, tree_nodes: int = DEFAULT_TREE_NODES,
-                   draft_vocab_ids: list[int] | None = None, draft_vocab: int = DEFAULT_DRAFT_VOCAB,
-                   draft_weights: str = "int8") -> MedusaDrafter:
-        """A drafter around in-memory heads (e.g. right after training), without a checkpoint."""
-        drafter = cls.__new__(cls)
-        config = {"eval": {"rank_acc": rank_acc}, "draft_vocab": {"ids": draft_vocab_ids}}
-        drafter._setup(target, heads.to(device=target.device, dtype=target.dtype).eval(), config, choices, tree_nodes, draft_vocab,
-                        draft_weights)
-        return drafter
-
-    def _setup(self, target, heads: MedusaHeads, config: dict, choices, tree_nodes: int, draft_vocab: int,
-               draft_weights: str) -> None:
-        if not isinstance(heads, MedusaHeads):
-            raise ValueError(f"the medusa drafter runs Medusa heads, got {type(heads).__name__}")
-        self.target, self.heads = target, heads
-        self.vocab = DraftVocab.from_config(FrozenTargetParts.from_target(target), config, draft_vocab)
-        self.linear_backend = draft_linears(heads, self.vocab, draft_weights)
-        self.hidden_layers = (heads.input_layer,)
-        self.tree = build_choice_tree(heads.num_positions, config.get("eval", {}).get("rank_acc"), choices, tree_nodes, self.vocab.rows)
-        self.cost = DraftCost(block=len(self.tree), per_token=heads_cost_tokens(heads, target, self.vocab), trees=True)
-        self.last_hidden: torch.Tensor | None = None
-
-    def begin(self, prompt_ids, target) -> None:
-        self.last_hidden = None
-
-    def on_verified(self, result, ctx: DraftContext) -> None:
-        rows = ctx.new_hidden.get(self.heads.input_layer)
-        if rows is not None and rows.shape[0]:
-            self.last_hidden = rows[-1]  # [H]: the newest cached token (the one before the root)
-
-    @torch.inference_mode()
-    def propose(self, ctx: DraftContext, budget: int) -> Draft:
-        if self.last_hidden is None or budget <= 0:
-            return Draft.empty()
-        template = self.tree.for_budget(budget)
-        features = self.heads(self.last_hidden[None])[: template.max_depth, 0]  # [D, H]
-        logits = self.heads.project(features, self.vocab.parts)  # [D, V']
-        return draft_from_candidates(template, top_candidates(template, logits, self.vocab))
+    def draft(self, ctx: DraftContext, budget: int) -> Draft:
+        return self.tree.draft(budget, self.runner.depth_logits, self.vocab)
