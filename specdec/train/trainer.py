@@ -548,9 +548,10 @@ def train(
     checkpoint and state are saved; a `resume=True` run continues the same schedule)."""
     from tqdm.auto import tqdm
 
+    from ..files import open_output_dir
+
     settings.validate()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = open_output_dir(out_dir, "checkpoint")  # never among files specdec did not write
     device = torch.device(settings.device)
     parts = FrozenTargetParts.from_target(target).to(device, torch.float32)
     if settings.dtype == "bf16":
