@@ -41,12 +41,14 @@ def _load_target_with_status(name: str, dtype: str, weights: str | None = None):
 def cmd_generate(args) -> int:
     from .api import generate, stream
     from .budget import parse_gamma
+    from .checks import check_text
     from .drafters import drafter_options, make_drafter
     from .sampling import SamplingParams
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     options = drafter_options(args.drafter, args.drafter_arg) if args.drafter else {}
     gamma = parse_gamma(args.gamma)  # before loading: a typo costs no model load
+    check_text("prompt", args.prompt)  # bytes that are not UTF-8 in argv: the same error Target.encode_prompt gives
     target = _load_target_with_status(args.model, args.dtype, args.weights)
     drafter = make_drafter(args.drafter, target, **options) if args.drafter else None
     prompt = args.prompt
