@@ -245,7 +245,7 @@ def test_written_files_follow_the_umask(counter, tmp_path, monkeypatch):
         get_or_measure(counter, ks=(1, 2), repeats=1, progress=False)
     written = [p for d in ("ckpt", "export", "data", "cache") for p in (tmp_path / d).rglob("*") if p.is_file()]
     assert {p.name for p in written} >= {"model.safetensors", "config.json", "shard-00000.safetensors", "manifest.json",
-                                         "prompts.jsonl", "specdec.json"}
+                                         "prompts.jsonl"}
     assert {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in written} == {
         str(p.relative_to(tmp_path)): "0o644" for p in written}
 
