@@ -162,6 +162,12 @@ def test_a_damaged_checkpoint_names_its_file_for_every_reader(counter, eagle3_ch
     expected = f"{weights} is truncated or corrupt"
     with pytest.raises(ValueError, match="truncated or corrupt"):
         load_checkpoint(checkpoint, counter)
+    config = checkpoint / "config.json"
+    text = config.read_text()
+    config.write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=f"^{config} is truncated or corrupt"):
+        load_checkpoint(checkpoint, counter)
+    config.write_text(text)
     code, lines = _cli(capsys, "export", str(checkpoint), str(tmp_path / "export"))
     assert code == 2 and expected in _error(lines)
     code, lines = _cli(capsys, "generate", "!#%'", "--model", str(counter.model_dir), "--drafter", "eagle3",
@@ -206,6 +212,7 @@ def test_the_cost_table_is_used_in_memory_with_one_warning(counter, unwritable_c
     assert str(unwritable_cache) in warnings[0] and "SPECDEC_CACHE" in warnings[0]
     code, lines = _cli(capsys, "generate", "!#%'", "--model", str(counter.model_dir), "--drafter", "pld", "--max-new-tokens", "4")
     assert code == 0 and not any(line.startswith("specdec: error") for line in lines)
+    assert len([line for line in lines if line.startswith("warning: cannot save the step-cost table")]) == 1, lines
 
 
 def test_models_fetch_into_it_names_the_cache_and_the_variable(tiny_gguf, unwritable_cache, monkeypatch, capsys):  # noqa: F811

@@ -98,7 +98,10 @@ def read_checkpoint_config(directory: str | Path) -> dict:
     config_path = directory / CONFIG_FILE
     if not config_path.is_file() or not (directory / WEIGHTS_FILE).is_file():
         raise FileNotFoundError(f"{directory} is not a specdec head checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError:
+        raise ValueError(f"{config_path} is truncated or corrupt (not JSON); write it again") from None
     if config.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{config_path} is not a specdec head checkpoint (format {config.get('format')!r})")
     if config.get("format_version") != CHECKPOINT_VERSION:

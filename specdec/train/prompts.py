@@ -356,6 +356,9 @@ class PromptLog:
         self._reader, self._next_line = None, 0
 
     def _drop_partial_line(self) -> int:
+        if not self.path.exists():  # deleted: made again from the supply
+            self.path.touch()
+            return 0
         lines, complete_bytes, total_bytes = 0, 0, 0
         with open(self.path, "rb") as file:
             for line in file:
