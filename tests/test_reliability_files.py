@@ -3,12 +3,15 @@ directories that are not specdec's, `--out` that is a file, text that is not Uni
 checkpoints, a cache that cannot be written, files that follow the umask, and a prompt supply that
 never builds its whole list."""
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -153,8 +156,6 @@ def _damage(weights: Path, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["truncated", "header"])
 def test_a_damaged_checkpoint_names_its_file_for_every_reader(counter, eagle3_checkpoint, tmp_path, capsys, how):
-    import shutil
-
     checkpoint = tmp_path / "ckpt"
     shutil.copytree(eagle3_checkpoint, checkpoint)
     weights = checkpoint / "model.safetensors"
@@ -221,8 +222,6 @@ def test_models_fetch_into_it_names_the_cache_and_the_variable(tiny_gguf, unwrit
     parts = (path.with_name("ro.part1"), path.with_name("ro.part2"))
     parts[0].write_bytes(data[: len(data) // 2])
     parts[1].write_bytes(data[len(data) // 2 :])
-    import hashlib
-
     spec = ModelSpec("tiny-ro", "tiny", "llama", "0", (), LocalParts(parts), hashlib.sha256(data).hexdigest(), len(data))
     monkeypatch.setitem(registry.MODELS, "tiny-ro", spec)
     for argv in (["models", "fetch", "tiny-ro"], ["models", "fetch", "tiny-ro", "--force"]):
@@ -301,3 +300,22 @@ def test_a_lazily_supplied_job_killed_mid_append_resumes_to_the_same_bytes(count
     build_dataset(counter, tmp_path / "resumed", settings(), progress=False, log=QUIET)
     for name in ("prompts.jsonl", "shard-00000.safetensors", "shard-00001.safetensors", "shard-00002.safetensors"):
         assert (tmp_path / "resumed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+
+
+@pytest.mark.slow
+def test_train_data_of_a_trillion_prompts_on_smollm2_writes_its_first_shard_at_once(tmp_path):
+    """The issue's own command: before, it printed nothing for 60 s while its RSS grew."""
+    out = tmp_path / "data"
+    argv = [sys.executable, "-m", "specdec.cli", "train", "data", "--model", "smollm2-135m", "--out", str(out),
+            "--num-prompts", "1000000000000", "--max-new-tokens", "8", "--shard-size", "2", "--no-progress"]
+    process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO), "OMP_WAIT_POLICY": "PASSIVE"})
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "shard-00000.safetensors").is_file() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert (out / "shard-00000.safetensors").is_file(), process.stderr.read() if process.poll() is not None else "no shard"
+        assert len((out / "prompts.jsonl").read_text().splitlines()) <= 4  # the shards begun, not the trillion
+    finally:
+        process.kill()
+        process.wait()
