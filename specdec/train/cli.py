@@ -68,7 +68,8 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, HF model directory, or .gguf file")
     add_weights_argument(parser)
     parser.add_argument("--out", required=True, help="data directory (rerun with the same settings to resume)")
-    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--num-prompts", type=int, default=32,
+                        help="prompts to answer (made as the shards need them: any number starts at once)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="answer length limit per prompt")
     parser.add_argument("--layers", type=_layer_list, default=None,
                         help="hidden layers to store, e.g. 29,30 (default: num_layers - 1 and num_layers, see --for)")
