@@ -17,7 +17,7 @@ SUBCOMMANDS = {
     "profile": ("specdec.profile", "add_profile_arguments", "run_profile", "measure the target's step-cost table T(k)"),
     "bench": ("specdec.bench.runner", "add_bench_arguments", "run_bench", "Spec-Bench: methods x task kinds, with peers"),
     "serve": ("specdec.server.serve", "add_serve_arguments", "run_serve", "OpenAI-compatible HTTP server"),
-    "train": ("specdec.train.cli", "add_train_arguments", "run_train", "train drafter heads (medusa, mtp, eagle1, eagle3, dflash)"),
+    "train": ("specdec.train.cli", "add_train_arguments", "run_train", "train drafters (medusa, mtp, eagle1, eagle3, dflash, dspark) and make their data"),
     "export": ("specdec.train.cli", "add_export_arguments", "run_export", "write a trained drafter in SGLang / vLLM layout"),
 }
 
@@ -38,12 +38,14 @@ def _load_target_with_status(name: str, dtype: str, weights: str | None = None):
 def cmd_generate(args) -> int:
     from .api import generate, stream
     from .budget import parse_gamma
+    from .checks import check_text
     from .drafters import drafter_options, make_drafter
     from .sampling import SamplingParams
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     options = drafter_options(args.drafter, args.drafter_arg) if args.drafter else {}
     gamma = parse_gamma(args.gamma)  # before loading: a typo costs no model load
+    check_text("prompt", args.prompt)  # bytes that are not UTF-8 in argv: the same error Target.encode_prompt gives
     target = _load_target_with_status(args.model, args.dtype, args.weights)
     drafter = make_drafter(args.drafter, target, **options) if args.drafter else None
     prompt = args.prompt

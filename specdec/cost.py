@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .paths import cache_root
+from .files import write_text_atomic
+from .paths import CACHE_ENV_VAR, cache_root
 
 DEFAULT_KS = (1, 2, 3, 4, 6, 8, 12, 16)
 # What a table's milliseconds are: wall clock (what the budget choosers want), or the process's CPU
@@ -95,10 +96,7 @@ class CostTable:
         """Write JSON (atomically: a reader never sees half a file); returns the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-        temporary.write_text(json.dumps(self.to_dict(), indent=1))
-        temporary.replace(path)
-        return path
+        return write_text_atomic(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CostTable:
@@ -232,6 +230,10 @@ def measure_cost_table(
     return CostTable(key=cost_key(target, prefix_len, clock), k=ks, ms=medians)
 
 
+# tables this process measured but could not write to the cache (read-only): measured once, warned once
+_UNSAVED: dict[Path, CostTable] = {}
+
+
 def get_or_measure(
     target,
     ks: Sequence[int] = DEFAULT_KS,
@@ -253,6 +255,9 @@ def get_or_measure(
             cached = None  # a corrupt cache file is re-measured, not fatal
         if cached is not None and cached.key == key and set(ks) <= set(cached.k) and cached.plausible():
             return cached
+    unsaved = _UNSAVED.get(path)
+    if not refresh and unsaved is not None and unsaved.key == key and set(ks) <= set(unsaved.k):
+        return unsaved
     table = measure_cost_table(target, ks, prefix_len, repeats, timer=timer, progress=progress, clock=clock)
     for _ in range(MEASURE_ATTEMPTS - 1):
         if table.plausible():
@@ -265,5 +270,10 @@ def get_or_measure(
         print(f"warning: the step-cost table for {key.get('model', 'this target')} still looks disturbed "
               f"(T(k) falls as k grows: {[round(v, 1) for v in table.ms]} ms); rerun `specdec profile` "
               "on a quieter machine", file=sys.stderr)
-    table.save(path)
+    try:
+        table.save(path)
+    except OSError as error:  # a read-only cache: the table still serves this process
+        _UNSAVED[path] = table
+        print(f"warning: cannot save the step-cost table to {path} ({error.strerror or error}); using it for this run "
+              f"only (point {CACHE_ENV_VAR} at a writable directory to keep it)", file=sys.stderr)
     return table

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .files import check_output_dir, open_output_dir
+
 FORMAT_VERSION = 1
 SEPARATOR = -1  # between documents: no match or continuation crosses it
 DEFAULT_SORTED_DEPTH = 64
@@ -358,8 +360,7 @@ def build_datastore(
 
 def write_datastore(output_dir, tokens: np.ndarray, suffix_array: np.ndarray, manifest: dict) -> Datastore:
     """Write the three files (manifest last, so a half-written directory never opens) and open it."""
-    directory = Path(output_dir).expanduser()
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = open_output_dir(output_dir, "datastore", flag="--output")
     (directory / "manifest.json").unlink(missing_ok=True)
     np.save(directory / "tokens.npy", tokens.astype(np.int32))
     np.save(directory / "suffix_array.npy", suffix_array)
@@ -410,6 +411,7 @@ def run_datastore(args: argparse.Namespace) -> int:
         return 0
     if args.sorted_depth < 1:
         raise DatastoreError(f"--sorted-depth must be >= 1, got {args.sorted_depth}")
+    check_output_dir(args.output, "datastore", flag="--output")  # before the tokenizer loads
     tokenizer = load_tokenizer(args.model)
     store = build_datastore(
         args.files, args.output, tokenizer, args.model, field=args.field, sorted_depth=args.sorted_depth

@@ -190,14 +190,17 @@ def test_data_job_resumes_with_its_own_prompts_and_mix(tmp_path):
     partial = build_dataset(counter, tmp_path / "new", settings(prompt_weights=mix), progress=False, log=quiet,
                             stop_after_shards=1)
     assert len(partial["shards"]) == 1 and not partial["complete"]
-    stored = (tmp_path / "new" / "prompts.jsonl").read_text()
-    assert [PromptItem(**json.loads(line)) for line in stored.splitlines()] == PromptSupply(mix, 0).take(6)
+    stored = (tmp_path / "new" / "prompts.jsonl").read_text()  # the prompts of the shards begun, made as they were needed
+    assert [PromptItem(**json.loads(line)) for line in stored.splitlines()] == PromptSupply(mix, 0).take(2)
     logged = []
     done = build_dataset(counter, tmp_path / "new", settings(), progress=False, log=logged.append)  # no mix: the stored one
     assert done["complete"] and done["settings"]["prompt_weights"] == mix
-    assert (tmp_path / "new" / "prompts.jsonl").read_text() == stored
-    math_count = stored.count('"source": "math"')
-    assert f"prompt mix, kind share (prompts): math 50% ({math_count}), qa 50% ({6 - math_count})" in logged
+    whole = (tmp_path / "new" / "prompts.jsonl").read_text()
+    assert whole.startswith(stored)
+    assert [PromptItem(**json.loads(line)) for line in whole.splitlines()] == PromptSupply(mix, 0).take(6)
+    math_count = whole.count('"source": "math"')
+    assert {name: info["prompts"] for name, info in done["sources"].items()} == {"math": math_count, "qa": 6 - math_count}
+    assert "prompt mix, kind share: math 50%, qa 50%" in logged
     with pytest.raises(ValueError, match="other settings"):
         build_dataset(counter, tmp_path / "new", settings(prompt_weights=DEFAULT_MIX), progress=False, log=quiet)
 

@@ -180,11 +180,7 @@ def test_prefill_groups_bound_the_every_row_logits():
     assert loop._prefill_groups(lengths, 1) == [(0, len(lengths))]  # last-row logits only: one forward
 
 
-def test_data_stores_the_targets_top1_and_old_shards_are_upgraded(counter, counter_data, tmp_path):
-    import shutil
-
-    from safetensors.torch import save_file
-
+def test_data_stores_the_targets_top1(counter, counter_data):
     _, samples = load_samples(counter_data, [counter.num_layers], counter)
     sample = samples[0]
     logits, _ = counter.forward(sample.tokens[None], torch.arange(len(sample.tokens))[None], counter.new_cache(1, len(sample.tokens)))
@@ -192,17 +188,6 @@ def test_data_stores_the_targets_top1_and_old_shards_are_upgraded(counter, count
     # greedy answers: token t + 1 of the answer is the target's top-1 after t
     start = sample.num_prompt_tokens
     assert torch.equal(sample.target_next[start - 1 : -1], sample.tokens[start:])
-    # a shard written before target_next existed: derived once from the top layer, written back
-    old = tmp_path / "old"
-    shutil.copytree(counter_data, old)
-    shard = old / "shard-00000.safetensors"
-    tensors = load_file(str(shard))
-    save_file({k: v for k, v in tensors.items() if k != "target_next"}, str(shard))
-    with pytest.raises(ValueError, match="no target given"):
-        load_samples(old, [counter.num_layers])
-    _, upgraded = load_samples(old, [counter.num_layers], counter)
-    assert all(torch.equal(a.target_next, b.target_next) for a, b in zip(upgraded, samples))
-    assert "target_next" in load_file(str(shard))
 
 
 # ---------------------------------------------------------------------------- teacher-forced corpus data

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .questions import TASK_KIND_TITLES
+from ..files import open_output_dir
 from ..stats import SpecStats
 
 BASELINE = "plain"
@@ -323,8 +324,7 @@ def write_plots(summary: dict, out_dir: Path) -> list[Path]:
 def write_reports(out_dir: Path, config: dict, rows: list[dict], methods: list[dict], summary: dict,
                   mismatches: list[dict]) -> str:
     """results.json, results.md and the plots in `out_dir`; returns the Markdown text."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = open_output_dir(out_dir, "bench")
     document = {"config": config, "methods": methods, "summary": summary, "mismatches": mismatches, "rows": rows}
     (out_dir / "results.json").write_text(json.dumps(document, indent=1, default=str))
     markdown = markdown_table(summary, config)

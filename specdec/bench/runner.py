@@ -33,6 +33,7 @@ from .environment import bench_command, machine_record
 from .questions import TASK_KINDS, Question, default_questions_path, load_questions, select_questions
 from .report import BASELINE, method_summary_rows, write_reports
 from ..budget import budget_policy_for, parse_gamma
+from ..files import check_output_dir
 from ..loop import run as run_loop
 from ..models import add_weights_argument
 from ..models.registry import DEFAULT_MODEL
@@ -230,6 +231,7 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
     questions_path = Path(config.questions_path) if config.questions_path else default_questions_path()
     questions = select_questions(load_questions(questions_path), config.limit_per_kind, config.task_kinds)
     out_dir = Path(config.out_dir) if config.out_dir else Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
+    check_output_dir(out_dir, "bench")  # before the model loads: never among files specdec did not write
     run = _BenchRun(config, questions, sampling, _reference_labels(specs, entries))
     specs = run.drop_missing_runtimes(specs, entries)  # a peer library not installed: say so now, run the rest
 

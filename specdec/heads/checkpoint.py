@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import open_output_dir, save_safetensors, write_text_atomic
 from .modules import HEAD_TYPES, LABEL_CONVENTION, DraftHeads
 
 CHECKPOINT_FORMAT = "specdec-draft-heads"
@@ -61,16 +62,12 @@ def target_description(target) -> dict:
 
 
 def save_checkpoint(directory: str | Path, heads: DraftHeads, target_info: dict, extra: dict | None = None) -> Path:
-    """Write `config.json` + `model.safetensors` (head weights only, fp32) into `directory` atomically per file."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write `config.json` + `model.safetensors` (head weights only, fp32) into `directory` atomically per file
+    (a directory that is not a specdec checkpoint is refused: specdec.files)."""
+    directory = open_output_dir(directory, "checkpoint")
     state = {name: tensor.detach().to("cpu", torch.float32 if tensor.is_floating_point() else tensor.dtype).contiguous()
              for name, tensor in heads.state_dict().items()}  # index buffers (EAGLE-3's d2t / t2d) keep their dtype
-    weights_tmp = directory / (WEIGHTS_FILE + ".tmp")
-    save_file(state, str(weights_tmp))
-    weights_tmp.replace(directory / WEIGHTS_FILE)
+    save_safetensors(directory / WEIGHTS_FILE, state)
     config = {
         "format": CHECKPOINT_FORMAT,
         "format_version": CHECKPOINT_VERSION,
@@ -80,10 +77,20 @@ def save_checkpoint(directory: str | Path, heads: DraftHeads, target_info: dict,
         "target": target_info,
         **(extra or {}),
     }
-    config_tmp = directory / (CONFIG_FILE + ".tmp")
-    config_tmp.write_text(json.dumps(config, indent=2))
-    config_tmp.replace(directory / CONFIG_FILE)
+    write_text_atomic(directory / CONFIG_FILE, json.dumps(config, indent=2))
     return directory
+
+
+def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file (a checkpoint's, an export's, a data shard); a truncated
+    or damaged file is one clear error naming it, for every reader alike."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except SafetensorError as error:
+        raise ValueError(f"{path} is truncated or corrupt ({error}); write it again") from None
 
 
 def read_checkpoint_config(directory: str | Path) -> dict:
@@ -91,7 +98,10 @@ def read_checkpoint_config(directory: str | Path) -> dict:
     config_path = directory / CONFIG_FILE
     if not config_path.is_file() or not (directory / WEIGHTS_FILE).is_file():
         raise FileNotFoundError(f"{directory} is not a specdec head checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError:
+        raise ValueError(f"{config_path} is truncated or corrupt (not JSON); write it again") from None
     if config.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{config_path} is not a specdec head checkpoint (format {config.get('format')!r})")
     if config.get("format_version") != CHECKPOINT_VERSION:
@@ -115,8 +125,6 @@ def check_target_matches(config: dict, target, source: str) -> None:
 
 def load_checkpoint(directory: str | Path, target, drafter: str | None = None) -> tuple[DraftHeads, dict]:
     """(heads in the target's dtype/device, config) from a checkpoint; errors for a wrong target or drafter."""
-    from safetensors.torch import load_file
-
     config = read_checkpoint_config(directory)
     if drafter is not None and config["drafter"] != drafter:
         raise ValueError(
@@ -128,5 +136,5 @@ def load_checkpoint(directory: str | Path, target, drafter: str | None = None) -
     if kind not in HEAD_TYPES:
         raise ValueError(f"checkpoint {directory} has unknown head type {kind!r}; known: {', '.join(HEAD_TYPES)}")
     heads = HEAD_TYPES[kind].from_config(config["head"], target.config)
-    heads.load_state_dict(load_file(str(Path(directory) / WEIGHTS_FILE)))
+    heads.load_state_dict(load_weights(Path(directory) / WEIGHTS_FILE))
     return heads.to(device=target.device, dtype=target.dtype).eval(), config

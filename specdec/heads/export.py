@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from ..files import open_output_dir, save_safetensors, write_text_atomic
+from .checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_weights
 from .dflash import DFlashModule
 from .dspark_module import SEQUENTIAL_HEADS, DSparkModule
 from .eagle import Eagle3Module
@@ -73,16 +74,12 @@ def eagle3_export_config(module: Eagle3Module, dtype: str) -> dict:
 
 
 def _write_directory(out_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
-    """config.json + model.safetensors, each written to a temp file and renamed (nothing half-written)."""
-    from safetensors.torch import save_file
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    weights_tmp = out_dir / (WEIGHTS_FILE + ".tmp")
-    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(weights_tmp), metadata={"format": "pt"})
-    config_tmp = out_dir / (CONFIG_FILE + ".tmp")
-    config_tmp.write_text(json.dumps(config, indent=2) + "\n")
-    weights_tmp.replace(out_dir / WEIGHTS_FILE)
-    config_tmp.replace(out_dir / CONFIG_FILE)
+    """config.json + model.safetensors, each written to a temp file and renamed (nothing half-written),
+    into a directory that is new, empty or an earlier export (specdec.files)."""
+    out_dir = open_output_dir(out_dir, "export", flag="OUT_DIR")
+    save_safetensors(out_dir / WEIGHTS_FILE, {name: tensor.contiguous() for name, tensor in tensors.items()},
+                     metadata={"format": "pt"})
+    write_text_atomic(out_dir / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
     return out_dir
 
 
@@ -223,14 +220,12 @@ def _target_shape_mismatch(config: dict, cfg) -> dict:
 
 
 def _read_weights(directory: Path, what: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     weight_files = sorted(directory.glob("*.safetensors"))
     if not weight_files:
         raise FileNotFoundError(f"{directory} has a {what} config.json but no *.safetensors weights")
     state = {}
     for path in weight_files:
-        state.update(load_file(str(path)))
+        state.update(load_weights(path))
     return state
 
 

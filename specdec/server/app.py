@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..checks import check_text
 from ..models.base import ContextLengthError
 from ..sampling import SamplingParams, make_generator
 from ..streaming import TextDeltas
@@ -410,11 +411,9 @@ def _check_unicode(value, path: str) -> None:
     """JSON may carry lone surrogates ("\\ud800"), which no tokenizer can encode: a 400 naming the field."""
     if isinstance(value, str):
         try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as error:
-            raise ApiError(400, f"{path or 'body'} is not valid Unicode: a lone surrogate "
-                                f"(U+{ord(value[error.start]):04X}) at character {error.start}",
-                           param=path.split(".")[0].split("[")[0] or None) from None
+            check_text(path or "body", value)
+        except ValueError as error:
+            raise ApiError(400, str(error), param=path.split(".")[0].split("[")[0] or None) from None
     elif isinstance(value, dict):
         for key, item in value.items():
             _check_unicode(item, f"{path}.{key}" if path else str(key))

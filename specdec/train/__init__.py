@@ -5,10 +5,11 @@
     specdec train medusa --model NAME --data DIR --out CKPT
     specdec train mtp    --model NAME --data DIR --out CKPT --flavour parallel|sequential
     specdec train eagle1|eagle3 --model NAME --data DIR --out CKPT   # data: `train data --for eagle3` for EAGLE-3
+    specdec train dflash|dspark --model NAME --data DIR --out CKPT   # data: `train data --for dflash`
 
 Modules: prompts (offline prompt sources), data (generation + reading), trainer (the loop), cli.
 The trainable modules and their checkpoints live on the model side, in specdec.heads (shared with
-the `medusa` / `mtp` / `eagle1` / `eagle3` drafters).
+the `medusa` / `mtp` / `eagle1` / `eagle3` / `dflash` / `dspark` drafters).
 """
 
 from .data import CorpusSettings, DataSettings, build_corpus_dataset, build_dataset, load_samples

@@ -68,7 +68,8 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, HF model directory, or .gguf file")
     add_weights_argument(parser)
     parser.add_argument("--out", required=True, help="data directory (rerun with the same settings to resume)")
-    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--num-prompts", type=int, default=32,
+                        help="prompts to answer (made as the shards need them: any number starts at once)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="answer length limit per prompt")
     parser.add_argument("--layers", type=_layer_list, default=None,
                         help="hidden layers to store, e.g. 29,30 (default: num_layers - 1 and num_layers, see --for)")
@@ -136,7 +137,8 @@ def _add_common_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-every", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    parser.add_argument("--overwrite", action="store_true", help="start over even if --out holds a checkpoint")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over even if --out holds a checkpoint (only one specdec wrote)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -260,8 +262,10 @@ def _layers_for(args, target) -> list[int] | None:
 
 
 def run_data(args) -> int:
+    from ..files import check_output_dir
     from .data import CorpusSettings, DataSettings, build_corpus_dataset, build_dataset
 
+    check_output_dir(args.out, "training-data")  # before the model loads
     target = _load_target(args)
     args.layers = _layers_for(args, target)
     log = lambda message: print(message, file=sys.stderr)  # noqa: E731
@@ -297,7 +301,7 @@ def _load_data(directories: list[str], layers: list[int], target) -> tuple[list,
             print(f"note: {directory} is incomplete ({len(manifest['shards'])}/{manifest['num_shards']} shards); "
                   "using the finished shards", file=sys.stderr)
         samples.extend(loaded)
-        data_info.append({"dir": str(Path(directory).resolve()), "kind": manifest.get("kind", "self-distilled"),
+        data_info.append({"dir": str(Path(directory).resolve()), "kind": manifest["kind"],
                           "samples": len(loaded), "sources": manifest["sources"],
                           "generated_text_licence": manifest["generated_text_licence"]})
     from .trainer import drop_repeated_prompts
@@ -363,10 +367,11 @@ def default_train_dtype(device: str) -> str:
 def run_heads_training(args) -> int:
     import torch
 
+    from ..files import check_output_dir
     from ..heads import CONFIG_FILE, DSparkModule, build_heads, target_description
     from .trainer import STATE_FILE, TrainSettings, train
 
-    out = Path(args.out)
+    out = check_output_dir(args.out, "checkpoint")  # only specdec's own checkpoints are continued or replaced
     if not args.resume and not args.overwrite and ((out / CONFIG_FILE).exists() or (out / STATE_FILE).exists()):
         raise ValueError(f"{out} already holds a checkpoint: pass --resume to continue it or --overwrite to start over")
     kind, options = args.head_kind(args)
@@ -420,30 +425,29 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the target (needed for Medusa heads, whose LM heads are copies of the target's; "
                              "default: the name stored in the checkpoint)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing export in OUT_DIR")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier specdec export in OUT_DIR")
 
 
 def run_export(args) -> int:
     """EAGLE-3 -> LlamaForCausalLMEagle3 and DFlash -> DFlashDraftModel (SGLang, vLLM); Medusa -> vLLM's MedusaModel."""
     import json
 
+    from ..files import check_output_dir
     from ..heads import HEAD_TYPES, read_checkpoint_config
     from ..heads.export import export_dflash, export_dspark, export_eagle3, export_medusa
 
-    out = Path(args.out_dir)
+    out = check_output_dir(args.out_dir, "export", flag="OUT_DIR")  # only an earlier export is replaced
     if (out / "config.json").exists() and not args.overwrite:
-        raise ValueError(f"{out} already holds a config.json: pass --overwrite to replace it")
+        raise ValueError(f"{out} already holds an export: pass --overwrite to replace it")
     config = read_checkpoint_config(args.checkpoint)
     kind = config["head"]["kind"]
     if kind not in ("eagle3", "dflash", "dspark", "medusa"):
         raise ValueError(f"{args.checkpoint} holds {kind!r} heads; exports exist for EAGLE-3, DFlash and DSpark drafters and "
                          "Medusa heads (train with `specdec train eagle3|dflash|dspark|medusa`)")
-    from safetensors.torch import load_file
-
     from ..heads import check_target_matches
-    from ..heads.checkpoint import WEIGHTS_FILE
+    from ..heads.checkpoint import WEIGHTS_FILE, load_weights
 
-    state = load_file(str(Path(args.checkpoint) / WEIGHTS_FILE))
+    state = load_weights(Path(args.checkpoint) / WEIGHTS_FILE)
     if kind == "eagle3":  # the module carries its own Llama config: no target needed
         heads = HEAD_TYPES[kind].from_config(config["head"], None)
         heads.load_state_dict(state)

@@ -18,7 +18,9 @@ last row's label is that token's greedy choice. Heads are trained to predict the
 tokens from those states (see specdec.heads.LABEL_CONVENTION).
 
 On disk (`out_dir/`):
-    prompts.jsonl            the prompts (text, source), fixed at the start so a resume uses the same
+    specdec.json             marks the directory as specdec's (specdec.files)
+    prompts.jsonl            the prompts (text, source) of every shard begun, appended as shards need them
+                             (prompts given by the caller: all of them at the start), so a resume uses the same
     shard-00000.safetensors  per shard: tokens int32 [N], offsets int64 [n + 1] (sample i is
                              tokens[offsets[i]:offsets[i + 1]]), prompt_lengths int64 [n],
                              sampled uint8 [n], prompt_index int64 [n], hidden.<layer> float16 [N, H],
@@ -26,9 +28,9 @@ On disk (`out_dir/`):
                              the label every head type learns, see specdec.heads.LABEL_CONVENTION)
     manifest.json            target (name + fingerprint), settings, sources + licences, finished shards
 
-The manifest's "kind" says which ("self-distilled" or "teacher-forced"; older manifests have no
-kind and are self-distilled). Resumable: every shard and the manifest are written to a temp file
-and renamed; a rerun with the same settings skips the shards the manifest lists as finished.
+The manifest's "kind" says which ("self-distilled" or "teacher-forced"). Resumable: every shard
+and the manifest are written to a temp file and renamed; a rerun with the same settings skips the
+shards the manifest lists as finished.
 Each prompt's decoding (greedy or sampled, and the sampling seed) is a function of (seed, prompt
 index), so an interrupted and resumed job writes the same shards as an uninterrupted one.
 """
@@ -37,7 +39,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -49,8 +50,11 @@ from ..draft import Draft
 from ..drafters.base import DraftContext, Drafter
 from ..sampling import SamplingParams
 from ..checks import check_positive_int
+from ..files import check_output_dir, open_output_dir, save_safetensors, write_text_atomic
 from ..heads import check_target_matches, target_description
-from .prompts import DEFAULT_MIX, GENERATED_TEXT_LICENCE, SOURCES, PromptItem, check_mix, describe_mix, mixed_prompts
+from ..heads.checkpoint import load_weights
+from .prompts import (DEFAULT_MIX, GENERATED_TEXT_LICENCE, SOURCES, PromptItem, PromptLog, PromptSupply, check_mix,
+                      describe_mix)
 
 DATA_FORMAT = "specdec-selfdistill"
 DATA_VERSION = 1
@@ -115,13 +119,16 @@ def resolve_layers(layers: list[int] | None, target) -> list[int]:
 
 
 def _write_json_atomic(path: Path, payload) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(payload, indent=2))
 
 
 def _read_prompts(path: Path) -> list[PromptItem]:
-    return [PromptItem(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    """The complete lines of a prompts file (a last line a killed job cut short is not one)."""
+    return [PromptItem(**json.loads(line)) for line in path.read_text().split("\n")[:-1] if line.strip()]
+
+
+def _prompts_text(prompts: list[PromptItem]) -> str:
+    return "".join(json.dumps(asdict(p)) + "\n" for p in prompts)
 
 
 def _new_manifest(target, settings, kind: str, sources: dict, generated_text_licence: str, num_items: int,
@@ -155,7 +162,9 @@ def read_manifest(directory: str | Path) -> dict:
     return manifest
 
 
-def _open_or_create(target, out_dir: Path, settings: DataSettings, prompts: list[PromptItem] | None) -> tuple[dict, list[PromptItem]]:
+def _open_or_create(target, out_dir: Path, settings: DataSettings, prompts: list[PromptItem] | None) -> dict:
+    """The manifest of the data in `out_dir` (checked against `settings`), or a new one; writes
+    nothing when the settings are wrong."""
     manifest_path = out_dir / MANIFEST_FILE
     if manifest_path.exists():
         manifest = read_manifest(out_dir)
@@ -169,32 +178,39 @@ def _open_or_create(target, out_dir: Path, settings: DataSettings, prompts: list
                 "rerun with the same settings to resume, or choose a new --out"
             )
         stored = _read_prompts(out_dir / PROMPTS_FILE)
-        if prompts is not None and [asdict(p) for p in prompts] != [asdict(p) for p in stored]:
+        if prompts is not None and _prompts_text(prompts[: len(stored)]) != _prompts_text(stored):
             raise ValueError(f"{out_dir} already holds data for different prompts; choose a new --out")
-        return manifest, stored
+        return manifest
     if settings.prompt_weights is None:
         settings.prompt_weights = dict(DEFAULT_MIX)
     check_mix(settings.prompt_weights)
-    prompts = prompts if prompts is not None else mixed_prompts(settings.num_prompts, settings.seed, settings.prompt_weights)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if len(prompts) != settings.num_prompts:
+    if prompts is None:
+        PromptSupply(settings.prompt_weights, settings.seed).check_holds(settings.num_prompts)
+    elif len(prompts) != settings.num_prompts:
         raise ValueError(f"got {len(prompts)} prompts but settings.num_prompts is {settings.num_prompts}")
-    tmp = out_dir / (PROMPTS_FILE + ".tmp")
-    tmp.write_text("".join(json.dumps(asdict(p)) + "\n" for p in prompts))
-    tmp.replace(out_dir / PROMPTS_FILE)
-    num_shards = -(-len(prompts) // settings.shard_size)
-    counts = {name: sum(1 for p in prompts if p.source == name) for name in SOURCES}
-    sources = {name: {"description": SOURCES[name].description, "licence": SOURCES[name].licence, "prompts": count}
-               for name, count in counts.items() if count}
-    manifest = _new_manifest(target, settings, SELF_DISTILLED, sources, GENERATED_TEXT_LICENCE, len(prompts), num_shards)
+    open_output_dir(out_dir, "training-data")
+    # prompts given by the caller are stored at once; the supply's as the shards need them (PromptLog)
+    write_text_atomic(out_dir / PROMPTS_FILE, _prompts_text(prompts or []))
+    num_shards = -(-settings.num_prompts // settings.shard_size)
+    manifest = _new_manifest(target, settings, SELF_DISTILLED, {}, GENERATED_TEXT_LICENCE, settings.num_prompts, num_shards)
     _write_json_atomic(manifest_path, manifest)
-    return manifest, prompts
+    return manifest
 
 
-def estimate_bytes(prompt_lengths: list[int], settings: DataSettings, hidden_size: int) -> int:
-    """Upper bound on the data size: every answer at max_new_tokens, fp16 hidden rows + int32 ids."""
-    max_tokens = sum(prompt_lengths) + len(prompt_lengths) * settings.max_new_tokens
-    return max_tokens * (2 * hidden_size * len(settings.layers) + 4)
+def _count_sources(manifest: dict, prompts: list[PromptItem]) -> None:
+    """Add a new shard's prompts to the manifest's sources (what each is, its licence, its prompts)."""
+    for prompt in prompts:
+        source = SOURCES.get(prompt.source)
+        entry = manifest["sources"].setdefault(prompt.source, {
+            "description": source.description if source else "given by the caller",
+            "licence": source.licence if source else "not recorded", "prompts": 0})
+        entry["prompts"] += 1
+
+
+def answer_bytes_bound(settings: DataSettings, hidden_size: int) -> int:
+    """Upper bound on the answers' share of the data: every answer at max_new_tokens, fp16 hidden
+    rows + int32 ids + int32 labels (the prompts' rows add to it)."""
+    return settings.num_prompts * settings.max_new_tokens * (2 * hidden_size * len(settings.layers) + 8)
 
 
 @dataclass
@@ -264,8 +280,6 @@ def _answer_shard(target, prompt_ids: list[list[int]], decodings: list[SamplingP
 
 
 def _write_shard(path: Path, samples: list[Sample], prompt_indices: list[int], sampled: list[bool], layers: list[int]) -> dict:
-    from safetensors.torch import save_file
-
     offsets = torch.tensor([0] + [len(sample.tokens) for sample in samples]).cumsum(0)  # [n + 1]
     tensors = {
         "tokens": torch.cat([sample.tokens for sample in samples]).to(torch.int32),  # [N]
@@ -277,9 +291,7 @@ def _write_shard(path: Path, samples: list[Sample], prompt_indices: list[int], s
     }
     for layer in layers:
         tensors[HIDDEN_KEY.format(layer=layer)] = torch.cat([sample.hidden[layer] for sample in samples]).contiguous()  # [N, H]
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp))
-    tmp.replace(path)
+    save_safetensors(path, tensors)
     answer_tokens = sum(len(sample.tokens) - sample.num_prompt_tokens for sample in samples)
     return {"file": path.name, "samples": len(samples), "tokens": int(offsets[-1]), "answer_tokens": answer_tokens,
             "bytes": path.stat().st_size}
@@ -297,31 +309,40 @@ def build_dataset(
     """Generate (or resume) self-distillation data in `out_dir`; returns the manifest.
 
     `prompts` overrides the offline prompt mix (their count must equal settings.num_prompts).
+    The mix's prompts are made as the shards need them (PromptLog): any num_prompts starts at once.
     `stop_after_shards` stops after writing that many NEW shards (an interruption, for tests).
     """
     settings = settings or DataSettings()
     settings.validate(target)
-    out_dir = Path(out_dir)
-    manifest, prompts = _open_or_create(target, out_dir, settings, prompts)
-    prompt_ids = [target.encode_prompt(p.text) for p in prompts]
-    for ids in prompt_ids:  # every answer must fit the context window, before any shard is generated
-        target.check_fits(len(ids), settings.max_new_tokens)
+    out_dir = check_output_dir(out_dir, "training-data")
+    manifest = _open_or_create(target, out_dir, settings, prompts)
+    supply = iter(prompts) if prompts is not None else iter(PromptSupply(settings.prompt_weights, settings.seed))
+    prompt_log = PromptLog(out_dir / PROMPTS_FILE, supply)
     done = {int(k) for k, v in manifest["shards"].items() if (out_dir / v["file"]).is_file()}
-    estimate = estimate_bytes([len(p) for p in prompt_ids], settings, target.hidden_size)
-    log(f"prompt mix, kind share (prompts): {describe_mix(settings.prompt_weights, prompts)}")
+    log(f"prompt mix, kind share: {describe_mix(settings.prompt_weights)}")
     log(
-        f"self-distillation data: {len(prompts)} prompts in {manifest['num_shards']} shards, answers up to "
+        f"self-distillation data: {settings.num_prompts} prompts in {manifest['num_shards']} shards, answers up to "
         f"{settings.max_new_tokens} tokens, layers {settings.layers} (fp16, hidden {target.hidden_size}): "
-        f"at most {estimate / 2**20:.1f} MiB; {len(done)} shards already done"
+        f"at most {answer_bytes_bound(settings, target.hidden_size) / 2**20:.1f} MiB of answers; "
+        f"{len(done)} shards already done"
     )
 
     def answer(indices: list[int]) -> tuple[list[Sample], list[bool]]:
+        items = prompt_log.take(indices[0], indices[-1] + 1)
+        prompt_ids = [target.encode_prompt(p.text) for p in items]
+        for ids in prompt_ids:  # every answer must fit the context window, before the shard is generated
+            target.check_fits(len(ids), settings.max_new_tokens)
+        if str(indices[0] // settings.shard_size) not in manifest["shards"]:
+            _count_sources(manifest, items)  # saved with the shard's manifest entry
         decodings = [settings.decoding_for(index) for index in indices]
-        samples = _answer_shard(target, [prompt_ids[index] for index in indices], decodings, settings)
+        samples = _answer_shard(target, prompt_ids, decodings, settings)
         return samples, [not decoding.greedy for decoding in decodings]
 
-    return _fill_shards(out_dir, manifest, len(prompts), settings.shard_size, settings.layers, answer,
-                        "self-distill", "prompt", progress, stop_after_shards)
+    try:
+        return _fill_shards(out_dir, manifest, settings.num_prompts, settings.shard_size, settings.layers, answer,
+                            "self-distill", "prompt", progress, stop_after_shards)
+    finally:
+        prompt_log.close()
 
 
 def _fill_shards(out_dir: Path, manifest: dict, num_items: int, shard_size: int, layers: list[int], make_shard,
@@ -458,7 +479,7 @@ def build_corpus_dataset(
     """Teacher-forced data from text files in `out_dir` (or resume it); returns the manifest."""
     settings = settings or CorpusSettings()
     settings.validate(target)
-    out_dir = Path(out_dir)
+    out_dir = check_output_dir(out_dir, "training-data")
     files = corpus_files(paths)
     chunks = corpus_chunks(target.tokenizer, files, settings)
     settings.corpus_digest = _corpus_digest(chunks)
@@ -467,13 +488,13 @@ def build_corpus_dataset(
     if manifest_path.exists():
         manifest = read_manifest(out_dir)
         check_target_matches(manifest, target, f"data in {out_dir}")
-        if manifest.get("kind") != TEACHER_FORCED or manifest["settings"] != asdict(settings):
+        if manifest["kind"] != TEACHER_FORCED or manifest["settings"] != asdict(settings):
             raise ValueError(
                 f"{out_dir} already holds other data (another kind, corpus or settings); rerun with the same files and "
                 "settings to resume, or choose a new --out"
             )
     else:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        open_output_dir(out_dir, "training-data")
         roots = sorted({str(Path(p).resolve() if Path(p).is_dir() else Path(p).resolve().parent) for p in paths})
         sources = {"corpus": {"description": f"{len(files)} text files under {', '.join(roots)}, teacher-forced",
                               "licence": settings.licence, "chunks": len(chunks)}}
@@ -495,48 +516,13 @@ def build_corpus_dataset(
 
 
 # ----------------------------------------------------------------------------- reading
-def _target_next_from_hidden(target, top_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """argmax of the target's LM head over stored top-layer rows [N, H] -> [N] (shards written before
-    `target_next` was stored; fp16 rows can flip exact near-ties, which is why new shards store it)."""
-    from ..heads import FrozenTargetParts
-
-    parts = FrozenTargetParts.from_target(target).to(dtype=torch.float32)
-    with torch.inference_mode():
-        return torch.cat([parts.lm_head(top_hidden[i : i + chunk].float()).argmax(-1) for i in range(0, top_hidden.shape[0], chunk)])
-
-
-def _upgrade_shard(path: Path, tensors: dict, target, top_layer: int) -> dict:
-    """Add `target_next` to a shard that lacks it (rewritten atomically); needs the target's top layer."""
-    from safetensors.torch import save_file
-
-    key = HIDDEN_KEY.format(layer=top_layer)
-    if target is None or key not in tensors:
-        raise ValueError(
-            f"{path} has no {TARGET_NEXT_KEY!r} labels and they cannot be derived "
-            f"({'no target given' if target is None else f'the shard lacks hidden layer {top_layer}'}); "
-            "regenerate the data with `specdec train data`"
-        )
-    tensors = {**tensors, TARGET_NEXT_KEY: _target_next_from_hidden(target, tensors[key]).to(torch.int32)}
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two trainers may upgrade one shard at once
-    save_file(tensors, str(tmp))
-    tmp.replace(path)
-    return tensors
-
-
 def _source_of(prompt_sources: list[str], shard_tensors: dict, row: int) -> str:
-    """The prompt source of a shard's row-th sample ("" when the data does not say)."""
-    indices = shard_tensors.get("prompt_index")
-    if indices is None or not prompt_sources:
-        return ""
-    return prompt_sources[int(indices[row])]
+    """The prompt source of a shard's row-th sample ("" when the data has no prompts file)."""
+    return prompt_sources[int(shard_tensors["prompt_index"][row])] if prompt_sources else ""
 
 
 def load_samples(directory: str | Path, layers: list[int], target=None) -> tuple[dict, list[Sample]]:
-    """(manifest, samples of every finished shard in prompt order); checks the target when given.
-
-    Shards written before `target_next` was stored get it added (once) from their top layer."""
-    from safetensors.torch import load_file
-
+    """(manifest, samples of every finished shard in prompt order); checks the target when given."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     if target is not None:
@@ -544,15 +530,13 @@ def load_samples(directory: str | Path, layers: list[int], target=None) -> tuple
     missing = [layer for layer in layers if layer not in manifest["settings"]["layers"]]
     if missing:
         raise ValueError(f"data in {directory} has hidden layers {manifest['settings']['layers']}, but these heads need {missing}")
-    teacher_forced = manifest.get("kind") == TEACHER_FORCED
+    teacher_forced = manifest["kind"] == TEACHER_FORCED
     prompts_file = directory / PROMPTS_FILE
     prompt_sources = [item.source for item in _read_prompts(prompts_file)] if prompts_file.is_file() else []
     samples: list[Sample] = []
     for shard in sorted(manifest["shards"], key=int):
         path = directory / manifest["shards"][shard]["file"]
-        tensors = load_file(str(path))
-        if TARGET_NEXT_KEY not in tensors:
-            tensors = _upgrade_shard(path, tensors, target, manifest["target"]["num_layers"])
+        tensors = load_weights(path)
         offsets = tensors["offsets"].tolist()
         for i, (start, stop) in enumerate(zip(offsets, offsets[1:])):
             samples.append(Sample(

@@ -17,10 +17,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import itertools
+import json
+import os
 import random
 import warnings
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from ..checks import check_positive_int
 from .prompt_kinds import KINDS
@@ -244,14 +249,24 @@ class PromptSupply:
 
     def take(self, num_prompts: int) -> list[PromptItem]:
         check_positive_int("num_prompts", num_prompts)
-        prompts = []
-        for item in self:
-            prompts.append(item)
-            if len(prompts) == num_prompts:
-                return prompts
-        raise ValueError(f"asked for {num_prompts} prompts but the mix {describe_mix(self.mix)} holds only "
-                         f"{len(prompts)} distinct ones (its finite pools ran out); add unbounded kinds: "
-                         f"{', '.join(KINDS)}")
+        prompts = list(itertools.islice(self, num_prompts))
+        if len(prompts) < num_prompts:
+            raise self.ran_out(num_prompts, len(prompts))
+        return prompts
+
+    def check_holds(self, num_prompts: int) -> None:
+        """A clear error, before any prompt is used, when a mix of finite pools only (1,443 prompts at
+        most) has fewer than `num_prompts` distinct prompts; a mix with an unbounded kind passes."""
+        check_positive_int("num_prompts", num_prompts)
+        if any(name not in FINITE_BUILDERS for name, weight in self.mix.items() if weight > 0):
+            return
+        available = sum(1 for _ in itertools.islice(self, num_prompts))
+        if available < num_prompts:
+            raise self.ran_out(num_prompts, available)
+
+    def ran_out(self, wanted: int, available: int) -> ValueError:
+        return ValueError(f"asked for {wanted} prompts but the mix {describe_mix(self.mix)} holds only "
+                          f"{available} distinct ones (its kinds ran out); add unbounded kinds: {', '.join(KINDS)}")
 
     def __iter__(self):
         seen: set[str] = set()
@@ -320,3 +335,71 @@ def mixed_prompts(num_prompts: int, seed: int = 0, weights: dict[str, float] | N
     Deterministic for a given seed and Python version (the passages and docstrings come from the
     running Python)."""
     return PromptSupply(weights, seed).take(num_prompts)
+
+
+class PromptLog:
+    """A data job's prompts in order, in a JSON-lines file that grows as the job's shards need them.
+
+    `take(start, stop)` gives prompts [start, stop), in increasing ranges: those the file holds are
+    read back as they are (a resumed job answers the very prompts it began with), the others are
+    drawn from `supply` (past as many as the file holds) and appended before they are used. So a
+    job of 10^12 prompts starts its first shard at once, and the file never holds more than the
+    prompts of the shards begun. A line that a killed job cut short is dropped.
+    """
+
+    def __init__(self, path: str | os.PathLike, supply: Iterator[PromptItem]):
+        self.path = Path(path)
+        self.supply = supply
+        self.stored = self._drop_partial_line()  # complete lines in the file
+        self.drawn = 0  # items taken from `supply` so far
+        self._reader, self._next_line = None, 0
+
+    def _drop_partial_line(self) -> int:
+        if not self.path.exists():  # deleted: made again from the supply
+            self.path.touch()
+            return 0
+        lines, complete_bytes, total_bytes = 0, 0, 0
+        with open(self.path, "rb") as file:
+            for line in file:
+                total_bytes += len(line)
+                if line.endswith(b"\n"):
+                    lines, complete_bytes = lines + 1, total_bytes
+        if complete_bytes != total_bytes:
+            os.truncate(self.path, complete_bytes)
+        return lines
+
+    def take(self, start: int, stop: int) -> list[PromptItem]:
+        held = min(stop, self.stored)
+        items = self._read(start, held) if start < held else []
+        return items + self._draw(max(start, held), stop) if stop > held else items
+
+    def _read(self, start: int, stop: int) -> list[PromptItem]:
+        if self._reader is None or self._next_line > start:
+            if self._reader is not None:
+                self._reader.close()
+            self._reader, self._next_line = open(self.path, encoding="utf-8"), 0
+        for _ in range(start - self._next_line):
+            self._reader.readline()
+        self._next_line = stop
+        return [PromptItem(**json.loads(self._reader.readline())) for _ in range(stop - start)]
+
+    def _draw(self, start: int, stop: int) -> list[PromptItem]:
+        """Supply items [stored, stop) appended to the file; returns those from `start` on."""
+        new = []
+        while self.drawn < stop:
+            item = next(self.supply, None)
+            if item is None:
+                raise ValueError(f"the prompt supply ran out after {self.drawn} distinct prompts; "
+                                 f"the shards written so far are kept in {self.path.parent}")
+            if self.drawn >= self.stored:
+                new.append(item)
+            self.drawn += 1
+        with open(self.path, "a", encoding="utf-8") as file:
+            file.write("".join(json.dumps(asdict(item)) + "\n" for item in new))
+        first, self.stored = self.stored, stop
+        return new[start - first :]
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None

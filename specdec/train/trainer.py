@@ -38,10 +38,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..checks import check_int, check_positive_int
+from ..files import open_output_dir
+from ..heads import DraftHeads, FrozenTargetParts, save_checkpoint
 from .batches import Batch, SampledVocab, chain_starts, label_rows, make_batch, pick_anchors
 from .data import Sample
-from ..checks import check_int, check_positive_int
-from ..heads import DraftHeads, FrozenTargetParts, save_checkpoint
 
 STATE_FILE = "trainer_state.pt"
 HISTORY_FILE = "history.json"
@@ -392,7 +393,8 @@ def train(
     checkpoint and state are saved; a `resume=True` run continues the same schedule)."""
     settings.validate()
     # 1. the frozen target's parts, the heads on the device, the held-out split, the draft vocabulary, the optimizer
-    run = _TrainingRun(heads, target, samples, Path(out_dir), settings, target_info, extra_config)
+    out_dir = open_output_dir(out_dir, "checkpoint")  # never among files specdec did not write
+    run = _TrainingRun(heads, target, samples, out_dir, settings, target_info, extra_config)
     # 2. resume: the heads, optimizer, step, time and history an earlier run saved
     if resume:
         run.resume(log)
@@ -424,7 +426,6 @@ class _TrainingRun:
                  target_info: dict, extra_config: dict | None):
         self.heads, self.target, self.settings = heads, target, settings
         self.out_dir, self.target_info, self.extra_config = out_dir, target_info, extra_config or {}
-        out_dir.mkdir(parents=True, exist_ok=True)
         self.device = torch.device(settings.device)
         parts = FrozenTargetParts.from_target(target).to(self.device, torch.float32)
         if settings.dtype == "bf16":
