@@ -29,7 +29,7 @@ from specdec.train.data import DataSettings, build_dataset, load_samples
 from specdec.train.prompts import PromptSupply
 
 from test_registry import LocalParts, tiny_gguf  # noqa: F401  (tiny_gguf: a fixture)
-from test_train import make_counter_target, text_prompts
+from train_support import make_counter_target, text_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = lambda _: None  # noqa: E731
