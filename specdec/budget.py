@@ -1,8 +1,14 @@
-"""How many draft nodes each sequence gets per step: a fixed gamma, or the cost model's choice.
+"""How many draft nodes each sequence gets per step, and how many of them are verified: the one
+place a request's draft length is decided (a fixed gamma, or the cost model's choice).
 
-A policy has `plan(seqs) -> list[int]` (one budget per running sequence, decided together so
-budgets can shrink as the batch grows), `observe(seq, drafted_depth, accepted)` and
-`max_budget_for(drafter) -> int` (sizes the KV cache). Non-anticipation (docs/architecture.md): a budget is a
+The loop makes one call per step before its verify forward, `policy.draft(seqs, propose)`: the
+policy plans every running sequence's budget together (`plan`: budgets shrink as the batch grows),
+has the loop draft through `propose(seq, budget)`, and cuts drafts that carry confidences to the
+prefix worth verifying (`verify_prefixes`, specdec.schedule.admit). After verification it learns
+each sequence's outcome (`observe`); `max_budget_for(drafter)` sizes the KV cache when a sequence
+is added. What the policy remembers of a sequence is its `PlanState`, which lives on the sequence
+(`RunningSequence.plan_state`); the policy itself holds only what all sequences share (the cost
+table, AutoBudget's population prior). Non-anticipation (docs/architecture.md): a budget is a
 function of what was known before drafting — running acceptance estimates, measured costs,
 how many sequences share the forward — never of the tokens about to be drafted.
 
@@ -27,7 +33,7 @@ learns from the confidences of blocks already verified (or cut), never of the bl
 
 from __future__ import annotations
 
-import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -203,8 +209,56 @@ class AcceptanceTracker:
 # ----------------------------------------------------------------------------- policies
 
 
-class FixedBudget:
-    """Draft exactly `gamma` nodes per step (the drafter's default when gamma is None)."""
+@dataclass(eq=False)
+class PlanState:
+    """What the budget policy remembers of one running sequence. It lives on the sequence
+    (`RunningSequence.plan_state`, made with it) and leaves the batch with it; AutoBudget reads and
+    writes it, FixedBudget needs none of it."""
+
+    tracker: AcceptanceTracker | None = None  # per-depth estimates; made at first use, from the population prior
+    idle_steps: int = 0  # plain steps since the last draft or probe
+    probe_interval: int | None = None  # plain steps before a probe; None until the policy first plans this sequence
+    draft_ms_per_token: float | None = None  # measured drafting cost (running average); None: not measured yet
+    draft_totals: tuple[float, int, int] = (0.0, 0, 0)  # (draft s, drafted tokens, drafting steps) at the last measurement
+    block: list[float] | None = None  # this step's block confidences, when the scheduler cut it (observe learns from them)
+    cut_tokens: int = 0  # drafted, then cut off by the scheduler before verification (all steps so far)
+
+
+class BudgetPolicy(ABC):
+    """How many draft nodes each sequence gets, and how many of them are verified. The loop makes
+    one call per step before the verify forward, `draft(seqs, propose)`, and tells the policy each
+    sequence's outcome after verification, `observe(seq, drafted_depth, accepted)`.
+    `max_budget_for(drafter)` (the largest block a step may draft) sizes the KV cache when a
+    sequence is added."""
+
+    def draft(self, seqs, propose) -> list[Draft]:
+        """This step's draft for every running sequence: `plan` the budgets (from what is known
+        before drafting: never from the tokens about to be drafted), draft each through the loop's
+        `propose(seq, budget) -> Draft` (at most `budget` nodes; 0: Draft.empty()), then cut the
+        drafts that carry confidences to the prefixes worth verifying (`verify_prefixes`)."""
+        budgets = self.plan(seqs)
+        # never draft past max_new_tokens: the bonus token already fills the last slot
+        drafts = [propose(seq, min(budget, seq.max_new_tokens - seq.generated - 1)) for seq, budget in zip(seqs, budgets)]
+        return self.verify_prefixes(seqs, drafts)
+
+    @abstractmethod
+    def plan(self, seqs) -> list[int]:
+        """One budget per running sequence, decided together (budgets can shrink as the batch grows)."""
+
+    @abstractmethod
+    def max_budget_for(self, drafter) -> int:
+        """The most nodes this policy lets `drafter` draft in a step (0 for no drafter)."""
+
+    def verify_prefixes(self, seqs, drafts: list[Draft]) -> list[Draft]:
+        """The part of each draft to verify; by default all of it."""
+        return drafts
+
+    def observe(self, seq, drafted_depth: int, accepted: int) -> None:
+        """One sequence's verification: `accepted` of its `drafted_depth` draft depths were kept."""
+
+
+class FixedBudget(BudgetPolicy):
+    """Draft exactly `gamma` nodes per step (the drafter's default when gamma is None), verified whole."""
 
     def __init__(self, gamma: int | None = None):
         self.gamma = None if gamma is None else check_int("gamma", gamma, 0)
@@ -217,15 +271,8 @@ class FixedBudget:
             return 0
         return drafter.cost.block if self.gamma is None else self.gamma
 
-    def observe(self, seq, drafted_depth: int, accepted: int) -> None:
-        pass
 
-    def verify_prefixes(self, seqs, drafts: list[Draft]) -> list[Draft]:
-        """A fixed block is verified whole."""
-        return drafts
-
-
-class AutoBudget:
+class AutoBudget(BudgetPolicy):
     """Pick each step's budget to maximise expected tokens per second (choose_budget over specdec.cost's T(k)).
 
     `choose_budget` over the sequence's running path-survival estimates (per depth; a tree's
@@ -274,28 +321,21 @@ class AutoBudget:
         self.draft_ms_fixed = draft_ms_per_token
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.population = AcceptanceTracker(decay=0.99)  # outcomes of every sequence this policy served
-        self._trackers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> tracker
-        self._idle_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._probe_interval: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.population_probe_every = probe_every  # the probe interval a new sequence starts at
-        self._draft_ms: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> ms per draft token
-        self._last_draft_totals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._blocks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> this step's block confidences
-        self._cut_tokens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> drafted, never verified
 
     def _tracker(self, seq) -> AcceptanceTracker:
-        tracker = self._trackers.get(seq)
-        if tracker is None:
-            tracker = AcceptanceTracker(prior=self.population.probs(1)[0])
-            self._trackers[seq] = tracker
-        return tracker
+        """The sequence's acceptance estimates; a new sequence starts from the population's."""
+        state = seq.plan_state
+        if state.tracker is None:
+            state.tracker = AcceptanceTracker(prior=self.population.probs(1)[0])
+        return state.tracker
 
     def _draft_ms_per_token(self, seq) -> float:
         """Drafting cost per draft token (ms): `draft_ms_per_token` when given, else the running
         measurement (the drafter's own prior until there is one)."""
         if self.draft_ms_fixed is not None:
             return self.draft_ms_fixed
-        measured = self._draft_ms.get(seq)
+        measured = seq.plan_state.draft_ms_per_token
         if measured is not None:
             return measured
         return seq.drafter.cost.per_token * self.cost.t(1)
@@ -343,9 +383,9 @@ class AutoBudget:
         admitted = admit(confidences, lambda tokens: 1000.0 / self.cost.t(tokens + fixed_tokens))
         drafts = list(drafts)
         for row, length, block in zip(scheduled, admitted, confidences):
-            seq = seqs[row]
-            self._blocks[seq] = block  # observe() learns from the positions cut off too
-            self._cut_tokens[seq] = self._cut_tokens.get(seq, 0) + len(block) - length
+            state = seqs[row].plan_state
+            state.block = block  # observe() learns from the positions cut off too
+            state.cut_tokens += len(block) - length
             drafts[row] = drafts[row].prefix(length)
         return drafts
 
@@ -392,24 +432,28 @@ class AutoBudget:
         per_node, per_step = self._draft_prices(seq)
         # the forward's throughput: a draft slows every sequence in it (the other rows: their roots)
         chosen = choose_budget(tracker.path_scores(limit), self.cost, per_node, limit, others, per_step, whole_forward=True)
+        state = seq.plan_state
         if chosen > 0 and self.pays_back(seq, chosen, others):
             # drafting pays: probe often if it stops paying (this sequence, and the ones that come next)
-            self._probe_interval[seq] = self.population_probe_every = self.probe_every
-            self._idle_steps[seq] = 0
+            state.probe_interval = self.population_probe_every = self.probe_every
+            state.idle_steps = 0
             return chosen
-        idle = self._idle_steps.get(seq, 0) + 1
-        interval = self._probe_interval.setdefault(seq, self.population_probe_every)
+        idle = state.idle_steps + 1
+        if state.probe_interval is None:
+            state.probe_interval = self.population_probe_every
+        interval = state.probe_interval
         if idle >= interval and self.catch_up_ms(seq) <= self.cost.t(1):
-            self._probe_interval[seq] = self.population_probe_every = min(2 * interval, self.max_probe_every)
+            state.probe_interval = self.population_probe_every = min(2 * interval, self.max_probe_every)
             idle = 0
             chosen = 1
         else:
             chosen = 0
-        self._idle_steps[seq] = idle
+        state.idle_steps = idle
         return chosen
 
     def observe(self, seq, drafted_depth: int, accepted: int) -> None:
-        block = self._blocks.pop(seq, None)  # the confidences of this step's whole block, when it was cut
+        state = seq.plan_state
+        block, state.block = state.block, None  # the confidences of this step's whole block, when it was cut
         if block is not None:
             # verified positions by their outcome; past an accepted prefix, the calibrated confidences
             outcome = [1.0] * accepted
@@ -425,16 +469,17 @@ class AutoBudget:
         """EMA of draft ms per drafted token (verified or cut off by the scheduler) over steps. The
         first drafting step is skipped: it includes one-off work (a draft model prefilling the whole
         prompt) that would otherwise make drafting look far more expensive per token than it is."""
-        time_s, drafted = seq.stats.time_draft_s, seq.stats.drafted_tokens + self._cut_tokens.get(seq, 0)
-        last_time_s, last_drafted, steps_seen = self._last_draft_totals.get(seq, (0.0, 0, 0))
+        state = seq.plan_state
+        time_s, drafted = seq.stats.time_draft_s, seq.stats.drafted_tokens + state.cut_tokens
+        last_time_s, last_drafted, steps_seen = state.draft_totals
         if drafted <= last_drafted:
             return
-        self._last_draft_totals[seq] = (time_s, drafted, steps_seen + 1)
+        state.draft_totals = (time_s, drafted, steps_seen + 1)
         if steps_seen == 0:
             return
         step_ms = 1000.0 * (time_s - last_time_s) / (drafted - last_drafted)
-        previous = self._draft_ms.get(seq)
-        self._draft_ms[seq] = step_ms if previous is None else 0.7 * previous + 0.3 * step_ms
+        previous = state.draft_ms_per_token
+        state.draft_ms_per_token = step_ms if previous is None else 0.7 * previous + 0.3 * step_ms
 
 
 def parse_gamma(raw) -> int | str | None:

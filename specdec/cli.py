@@ -72,13 +72,13 @@ def cmd_drafters(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .drafters import drafter_option_names, registered_drafters
+    from .drafters import drafter_option_names, listed_drafters
 
     table = Table(title="drafters (use --drafter NAME --drafter-arg KEY=VALUE)")
     table.add_column("name")
     table.add_column("trees")
     table.add_column("options (defaults)")
-    for name, cls in sorted(registered_drafters().items()):
+    for name, cls in sorted(listed_drafters().items()):
         params = inspect.signature(cls.__init__).parameters
         opts = ", ".join(f"{option}={params[option].default!r}" for option in drafter_option_names(cls))
         table.add_row(name, "yes" if cls.cost.trees else "opt" if "tree" in opts else "no", opts)

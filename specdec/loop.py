@@ -7,15 +7,15 @@ plain" compares two runs of one code path that differ only in the draft.
 
     0. prefill every prompt (ragged, right-padded) and sample the first token
     loop:
-      1. choose each sequence's draft budget (fixed gamma, or the cost model's choice)
-      2. propose: drafter.propose(ctx, budget) -> Draft rooted at the root token; drafts that
-         carry confidences are cut, across the batch, to the prefix worth verifying
-         (policy.verify_prefixes -> specdec.schedule.admit)
+      1-2. drafts = policy.draft(seqs, propose) (specdec.budget, the one place draft lengths are
+         decided): each sequence's budget, drafter.propose(ctx, budget) -> Draft rooted at the
+         root token, and drafts that carry confidences cut, across the batch, to the prefix worth
+         verifying (specdec.schedule.admit)
       3. build one batch: [root, *draft nodes] per row, tree masks, positions
       4. ONE target forward over all rows (plus the hidden layers drafters asked for)
       5. verify each row (specdec.verify) -> accepted path + bonus/correction token
       6. commit token by token (EOS, stop strings, max_new_tokens), compact the KV cache to
-         the accepted path (keep / truncate), update stats, drafter.on_verified
+         the accepted path (keep / truncate), update stats, policy.observe, drafter.on_verified
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .budget import FixedBudget
+from .budget import FixedBudget, PlanState
 from .draft import Draft
 from .drafters.base import DraftContext, Drafter
 from .sampling import SamplingParams, make_generator, sample_from_probs, warp_logits_to_probs
@@ -42,9 +42,9 @@ class Generation:
     finish_reason: str = "length"  # "stop" (EOS or stop string) | "length" (max_new_tokens)
 
 
-@dataclass(eq=False)  # identity semantics: sequences are handles (hashable, weak-referenceable)
+@dataclass(eq=False)  # identity semantics: sequences are handles (hashable)
 class RunningSequence:
-    """One generation in a batch: its context, drafter, stats and stopping rules."""
+    """One generation in a batch: its context, drafter, stats, stopping rules and budget-planning state."""
 
     ctx: DraftContext
     drafter: Drafter | None
@@ -54,6 +54,7 @@ class RunningSequence:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
     last_committed: list[int] = field(default_factory=list)  # tokens gained in the latest step
     stop_text_cut: int | None = None  # output text length at which a stop string starts
+    plan_state: PlanState = field(default_factory=PlanState)  # what the budget policy remembers of this sequence
 
     @property
     def done(self) -> bool:
@@ -160,15 +161,9 @@ class SpecBatch:
         seqs = list(self.seqs)
         if not seqs:
             return []
-        # 1-2. budgets (the policy sees every running sequence: load-aware), proposals, and the
-        # prefix of each draft worth verifying (one decision across the batch; a no-op for fixed blocks)
-        budgets = self.policy.plan(seqs)
-        drafts = []
-        for seq, budget in zip(seqs, budgets):
-            with seq.stats.timer("draft"):
-                drafts.append(_propose(seq, budget))
-        with _timed_for_all(seqs, "other"):
-            drafts = self.policy.verify_prefixes(seqs, drafts)
+        # 1-2. the policy's drafts: budgets (it sees every running sequence: load-aware), proposals,
+        # and the prefix of each draft worth verifying (one decision across the batch)
+        drafts = self.policy.draft(seqs, _propose)
         rows = self.cache.rows(0, len(seqs))
         with _timed_for_all(seqs, "verify"):
             # 3. one batch: [root, *draft nodes, padding] per row, tree masks, positions
@@ -314,13 +309,11 @@ def _run_steps(target, prompts, drafter, max_new_tokens, sampling, stop, budget_
 
 
 def _propose(seq: RunningSequence, budget: int) -> Draft:
-    if seq.drafter is None:
-        return Draft.empty()
-    # never draft past max_new_tokens: the bonus token already fills the last slot
-    budget = min(budget, seq.max_new_tokens - seq.generated - 1)
-    if budget <= 0:
-        return Draft.empty()
-    draft = seq.drafter.propose(seq.ctx, budget)
+    """The sequence's drafter's proposal of at most `budget` nodes (none for 0), timed as drafting."""
+    with seq.stats.timer("draft"):
+        if seq.drafter is None or budget <= 0:
+            return Draft.empty()
+        draft = seq.drafter.propose(seq.ctx, budget)
     if len(draft) > budget:
         raise RuntimeError(f"drafter {seq.drafter.name!r} proposed {len(draft)} nodes for a budget of {budget}")
     return draft

@@ -267,3 +267,30 @@ def test_blocks_the_scheduler_cuts_to_nothing_stop_the_drafting():
         cut = policy.verify_prefixes([seq], [Draft.chain([5, 6, 7, 8], confidences=[0.95, 0.9, 0.9, 0.9])])
         policy.observe(seq, len(cut[0]), len(cut[0]))
     assert policy.plan([seq]) == [4]
+
+
+def test_draft_plans_caps_at_max_new_tokens_and_cuts_in_one_call():
+    """The loop's one call before the forward: `draft` plans the budgets, drafts through the loop's
+    propose (never past max_new_tokens: the bonus token fills the last slot), then makes the one
+    scheduler call; what the policy learns from the cut lands on each sequence's own PlanState."""
+    from specdec.schedule import admit
+
+    policy = AutoBudget(TABLE, max_budget=8)
+    seqs = [make_seq(ScoringStub(0, 0.01, default_budget=4), max_new_tokens=limit) for limit in (64, 64, 3)]
+    block = [0.95, 0.9, 0.2, 0.9]
+    asked = []
+
+    def propose(seq, budget):
+        asked.append(budget)
+        return Draft.chain([5, 6, 7, 8][:budget], confidences=block[:budget])
+
+    cut = policy.draft(seqs, propose)
+    assert asked == [4, 4, 1]  # the third has generated 1 of 3 tokens: one draft node, then the bonus token
+    expected = admit([block, block, block[:1]], lambda tokens: 1000.0 / TABLE.t(tokens))
+    assert [len(draft) for draft in cut] == expected and sum(expected) < 9
+    for seq, drafted in zip(seqs, (block, block, block[:1])):
+        assert seq.plan_state.block == pytest.approx(drafted)  # float32 confidences
+    assert [seq.plan_state.cut_tokens for seq in seqs] == [4 - expected[0], 4 - expected[1], 1 - expected[2]]
+    for seq, draft in zip(seqs, cut):  # observe consumes the block (the next step's cut is its own)
+        policy.observe(seq, len(draft), len(draft))
+        assert seq.plan_state.block is None and seq.plan_state.tracker is policy._tracker(seq)

@@ -169,9 +169,9 @@ def resolve_method(name: str) -> MethodEntry:
     """Bench registry first (plain, peers, registered callables), then specdec drafters."""
     entry = METHODS.get(name) or _drafter_entry(name)
     if entry is None:
-        from ..drafters import registered_drafters
+        from ..drafters import listed_drafters
 
-        known = sorted(set(METHODS) | set(registered_drafters()))
+        known = sorted(set(METHODS) | set(listed_drafters()))
         raise ValueError(f"unknown method {name!r}; available: {', '.join(known)}")
     return entry
 

@@ -109,21 +109,31 @@ class Drafter(ABC):
         return 0
 
 
-DRAFTERS: dict[str, type[Drafter]] = {}
+DRAFTERS: dict[str, type[Drafter]] = {}  # every registered drafter by name: what make_drafter builds
+LISTED: dict[str, type[Drafter]] = {}  # the ones offered to users (`specdec drafters`): all but the testing drafters
 
 
-def register_drafter(cls: type[Drafter]) -> type[Drafter]:
-    """Class decorator: make a drafter available to `make_drafter(cls.name, ...)` and the CLI."""
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} needs a non-empty `name`")
-    if cls.name in DRAFTERS and DRAFTERS[cls.name] is not cls:
-        raise ValueError(f"two drafters are registered as {cls.name!r}")
-    DRAFTERS[cls.name] = cls
-    return cls
+def register_drafter(cls: type[Drafter] | None = None, *, listed: bool = True):
+    """Class decorator: make a drafter available to `make_drafter(cls.name, ...)` and the CLI.
+    `@register_drafter(listed=False)`: buildable by name (tests, `--drafter NAME`) but not offered
+    to users (the testing drafters: `specdec drafters` and the unknown-name error leave it out)."""
+
+    def register(cls: type[Drafter]) -> type[Drafter]:
+        if not cls.name:
+            raise ValueError(f"{cls.__name__} needs a non-empty `name`")
+        if cls.name in DRAFTERS and DRAFTERS[cls.name] is not cls:
+            raise ValueError(f"two drafters are registered as {cls.name!r}")
+        DRAFTERS[cls.name] = cls
+        if listed:
+            LISTED[cls.name] = cls
+        return cls
+
+    return register if cls is None else register(cls)
 
 
 def registered_drafters() -> dict[str, type[Drafter]]:
-    """Every drafter by name; imports each drafter module once so its @register_drafter runs."""
+    """Every drafter by name, the testing ones included; imports each drafter module once so its
+    @register_drafter runs."""
     package = importlib.import_module(__package__)
     for module in pkgutil.iter_modules(package.__path__):
         if module.name != "base" and not module.name.startswith("_"):
@@ -131,10 +141,16 @@ def registered_drafters() -> dict[str, type[Drafter]]:
     return DRAFTERS
 
 
+def listed_drafters() -> dict[str, type[Drafter]]:
+    """The drafters offered to users by name (registered_drafters without the testing ones)."""
+    registered_drafters()
+    return LISTED
+
+
 def drafter_class(name: str) -> type[Drafter]:
     drafters = registered_drafters()
     if name not in drafters:
-        raise ValueError(f"unknown drafter {name!r}; available: {', '.join(sorted(drafters))}")
+        raise ValueError(f"unknown drafter {name!r}; available: {', '.join(sorted(listed_drafters()))}")
     return drafters[name]
 
 

@@ -1,5 +1,6 @@
 """Drafters for testing the core: `oracle` (always right), `random` (almost always wrong) and
-`tempered` (often right, with confidences).
+`tempered` (often right, with confidences). Registered unlisted: tests build them by name
+(`make_drafter`, `--drafter`), `specdec drafters` does not offer them to users.
 
 `oracle` proposes the target's own greedy continuation, so under greedy decoding every draft
 token is accepted and tau must equal budget + 1. `random` proposes uniformly random tokens
@@ -18,7 +19,7 @@ from ..draft import Draft
 from .base import DraftContext, DraftCost, Drafter, register_drafter
 
 
-@register_drafter
+@register_drafter(listed=False)
 class OracleDrafter(Drafter):
     name = "oracle"
 
@@ -58,7 +59,7 @@ class OracleDrafter(Drafter):
         return logits[0, -1]
 
 
-@register_drafter
+@register_drafter(listed=False)
 class TemperedDrafter(OracleDrafter):
     """A chain sampled from the target's own distribution at `draft_temperature` (q exact, so
     acceptance is high but not certain), with confidences crafted from the drafted tokens:
@@ -93,7 +94,7 @@ class TemperedDrafter(OracleDrafter):
         return Draft.chain(torch.tensor(tokens, dtype=torch.long), torch.stack(rows), confidences)
 
 
-@register_drafter
+@register_drafter(listed=False)
 class RandomDrafter(Drafter):
     name = "random"
 
