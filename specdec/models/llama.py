@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.skinny_gemm import TorchLinear
+from ..kernels.backends import TorchLinear
 from ..kv_cache import KVCache
 from .base import Target
 
