@@ -107,7 +107,7 @@ def require_compiler(compiler: str | None = None) -> str:
     if wanted and wanted.strip().lower() in NO_COMPILER:
         raise KernelUnavailable(f"the C++ compiler is turned off ({source} = {wanted!r})")
     if wanted:
-        raise KernelUnavailable(f"no C++ compiler {wanted.strip()!r} (named by {source}) was found")
+        raise KernelUnavailable(f"the C++ compiler {wanted.strip()!r} ({source}) was not found")
     raise KernelUnavailable(f"no C++ compiler (set {ENV_COMPILER} or install g++)")
 
 
