@@ -2,6 +2,7 @@
 fallbacks without a compiler, and a tiny native model after fast_linear_modules."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_close_to_scale
 
-import specdec.kernels
 from specdec.kernels import (
     CppSkinnyLinear,
     FastLinear,
@@ -23,6 +23,7 @@ from specdec.kernels import (
     make_backend,
     quantize_int8,
 )
+from specdec.kernels import build
 from specdec.models.llama import load_native
 
 # (out, in): vector-width multiples, odd tails in K and in N, a K smaller than one vector, and
@@ -216,7 +217,25 @@ def test_a_failing_compiler_means_fallback_not_a_crash(tmp_path, monkeypatch):
         CppSkinnyLinear(isa="sse2")
 
 
-PARTS = len(list((Path(specdec.kernels.__file__).parent / "csrc").glob("*.cpp")))
+PARTS = len(list(build.SOURCE_DIR.glob("*.cpp")))
+
+
+def test_an_edit_to_any_part_or_the_header_builds_afresh(tmp_path, monkeypatch):
+    """The cached library is named by a digest of every source file: editing the shared header or
+    one part gives another library file, never a stale one."""
+    source = tmp_path / "csrc"
+    shutil.copytree(build.SOURCE_DIR, source)
+    monkeypatch.setattr(build, "SOURCE_DIR", source)
+    compiler = tmp_path / "c++"  # stands in for the compiler (a real build takes minutes): writes each -o file
+    compiler.write_text('#!/bin/sh\nwhile [ $# -gt 1 ]; do [ "$1" = -o ] && echo built > "$2"; shift; done\n')
+    compiler.chmod(0o755)
+    names = []
+    for edited in (None, "skinny_gemm.h", "threads.cpp"):
+        if edited:
+            (source / edited).write_text((source / edited).read_text() + "\n// edited\n")
+        names.append(build.build_library(str(compiler), "avx2", tmp_path / "kernels").name)
+    assert len(set(names)) == 3
+    assert build.build_library(str(compiler), "avx2", tmp_path / "kernels").name == names[-1]  # unchanged: the same
 
 
 def _no_kernel_setting(cause: str, tmp_path: Path) -> tuple[dict, str]:
