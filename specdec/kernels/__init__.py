@@ -14,7 +14,6 @@ The modules: build.py (compiler, ISA flags, the build into the cache at first us
 and rotary), gguf_linear.py; the C++ source is csrc/.
 """
 
-from .gguf_linear import KERNEL_TYPES, GGUFEmbedding, GGUFLinear, dequantize_blocks, gguf_module, huge_page_buffer
 from .backends import (
     BACKENDS,
     CppSkinnyLinear,
@@ -27,6 +26,7 @@ from .backends import (
     quantize_int8,
 )
 from .build import KernelUnavailable, cpu_isa, kernel_cache_dir
+from .gguf_linear import KERNEL_TYPES, GGUFEmbedding, GGUFLinear, dequantize_blocks, gguf_module, huge_page_buffer
 from .library import load_library
 
 __all__ = [

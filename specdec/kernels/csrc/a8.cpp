@@ -27,7 +27,7 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// x [K] -> one activation row (see above), blocks of `block` (32 or 256) weights.
+// x [K] -> one activation row (layout: skinny_gemm.h), blocks of `block` (32 or 256) weights.
 void quantize_a8_row(const float* x, int64_t K, int block, uint8_t* out) {
   int8_t* q = (int8_t*)out;
   float* d = (float*)(out + K);

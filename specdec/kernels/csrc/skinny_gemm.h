@@ -496,7 +496,7 @@ struct TileArgs {
   const float* bias;    // or null
   float* y;
   int64_t ldy;
-  const uint8_t* prefetch;  // see below, or null
+  const uint8_t* prefetch;  // see micro_tile (gemm.cpp), or null
   int64_t pf_phase, pf_stride;
   const uint8_t* xq;    // a8 mode: first quantized activation row of the block (row stride ldxq bytes)
   int64_t ldxq;
