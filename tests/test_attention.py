@@ -80,7 +80,7 @@ def test_hidden_slots_and_slot_blocks_change_no_bits(backend):
 def test_rotary_kernel_is_bitwise_torch(backend, head_dim):
     """The fused rotary embedding (one pass, written in the attention layout) computes torch's
     `x * cos + rotate_half(x) * sin` element by element: the same bits, on both builds."""
-    from specdec.kernels.skinny_gemm import torch_rotary
+    from specdec.kernels.backends import torch_rotary
     from specdec.models.llama import rotary_cos_sin
 
     generator = torch.Generator().manual_seed(1)

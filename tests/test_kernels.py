@@ -1,6 +1,12 @@
 """Batch-invariant skinny GEMM (specdec.kernels): bitwise row invariance, agreement with F.linear,
 fallbacks without a compiler, and a tiny native model after fast_linear_modules."""
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +23,7 @@ from specdec.kernels import (
     make_backend,
     quantize_int8,
 )
+from specdec.kernels import build
 from specdec.models.llama import load_native
 
 # (out, in): vector-width multiples, odd tails in K and in N, a K smaller than one vector, and
@@ -208,6 +215,70 @@ def test_a_failing_compiler_means_fallback_not_a_crash(tmp_path, monkeypatch):
     assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-built left in the cache
     with pytest.raises(ValueError, match="isa"):
         CppSkinnyLinear(isa="sse2")
+
+
+PARTS = len(list(build.SOURCE_DIR.glob("*.cpp")))
+
+
+def test_an_edit_to_any_part_or_the_header_builds_afresh(tmp_path, monkeypatch):
+    """The cached library is named by a digest of every source file: editing the shared header or
+    one part gives another library file, never a stale one."""
+    source = tmp_path / "csrc"
+    shutil.copytree(build.SOURCE_DIR, source)
+    monkeypatch.setattr(build, "SOURCE_DIR", source)
+    compiler = tmp_path / "c++"  # stands in for the compiler (a real build takes minutes): writes each -o file
+    compiler.write_text('#!/bin/sh\nwhile [ $# -gt 1 ]; do [ "$1" = -o ] && echo built > "$2"; shift; done\n')
+    compiler.chmod(0o755)
+    names = []
+    for edited in (None, "skinny_gemm.h", "threads.cpp"):
+        if edited:
+            (source / edited).write_text((source / edited).read_text() + "\n// edited\n")
+        names.append(build.build_library(str(compiler), "avx2", tmp_path / "kernels").name)
+    assert len(set(names)) == 3
+    assert build.build_library(str(compiler), "avx2", tmp_path / "kernels").name == names[-1]  # unchanged: the same
+
+
+def _no_kernel_setting(cause: str, tmp_path: Path) -> tuple[dict, str]:
+    """Environment in which the kernel cannot be built, and a part of the reason the user must read."""
+    if cause == "missing compiler":
+        return {"SPECDEC_CXX": str(tmp_path / "no-such-c++")}, "no-such-c++"
+    if cause == "unwritable cache":  # the kernels folder cannot be made (chmod does not stop root)
+        (tmp_path / "cache").mkdir()
+        (tmp_path / "cache" / "kernels").write_text("a file where the kernel cache should be")
+        return {"SPECDEC_CACHE": str(tmp_path / "cache")}, "cannot write the kernel cache"
+    compiler = tmp_path / "broken-c++"  # a compile error; each run appends a line to `runs`
+    compiler.write_text(f'#!/bin/sh\necho run >> "{tmp_path / "runs"}"\necho "fatal error: out of ideas" >&2\nexit 1\n')
+    compiler.chmod(0o755)
+    return {"SPECDEC_CXX": str(compiler), "SPECDEC_CACHE": str(tmp_path / "cache")}, "fatal error: out of ideas"
+
+
+@pytest.mark.parametrize("cause", ["missing compiler", "unwritable cache", "compile error"])
+def test_a_kernel_that_cannot_be_built_is_reported_once_with_its_reason(tmp_path, cause):
+    """Decoding without the kernel runs on PyTorch at about half the speed: the user is told once
+    per process why, however many times a backend is chosen, and a failed build is not retried."""
+    setting, reason = _no_kernel_setting(cause, tmp_path)
+    env = {key: value for key, value in os.environ.items() if key != "SPECDEC_LINEAR"} | setting
+    code = "from specdec.kernels import make_backend\nfor _ in range(3): print(make_backend('auto').backend.name)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["torch"] * 3
+    (line,) = result.stderr.splitlines()
+    assert "could not be built or loaded" in line and reason in line and "slower PyTorch path" in line
+    if cause == "compile error":  # one build (two where AMX is retried without tiles), not one per call
+        assert len((tmp_path / "runs").read_text().split()) <= 2 * PARTS
+
+
+@pytest.mark.slow
+def test_generate_without_a_compiler_says_so_once(tmp_path, smollm2):
+    env = {key: value for key, value in os.environ.items() if key != "SPECDEC_LINEAR"}
+    env["SPECDEC_CXX"] = str(tmp_path / "no-such-c++")
+    result = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "generate", "Say hi", "--model", "smollm2-135m", "--max-new-tokens", "4",
+         "--drafter", "pld", "--gamma", "3"], capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    warnings = [line for line in result.stderr.splitlines() if "could not be built or loaded" in line]
+    assert len(warnings) == 1 and "no-such-c++" in warnings[0], result.stderr
+    assert result.stdout.strip()
 
 
 def test_backend_names_and_env_override(monkeypatch):

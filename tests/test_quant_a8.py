@@ -5,8 +5,10 @@ rows are bitwise batch and thread-count invariant; the AVX2 and AVX-512 builds (
 the CPU has them) give the same bits;
 speculation on SmolLM2 reproduces the a8 model's own plain greedy output."""
 
+import importlib.util
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +26,16 @@ FLT_MAX = np.finfo(np.float32).max
 # difference is fp32 rounding of a few products per block plus gguf's rounded weights (~1e-7 of
 # the sum of |terms| measured); an activation or weight decoded wrongly is off by ~1e-1 of it.
 A8_REL = 2e-6
+
+
+@pytest.fixture(scope="module")
+def kernel_quality():
+    """scripts/kernel_quality.py, the developer tool that scores the a8 mode on a fixed text."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "kernel_quality.py"
+    spec = importlib.util.spec_from_file_location("kernel_quality", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def isa_backend(isa: str) -> CppSkinnyLinear:
@@ -241,7 +253,8 @@ def test_a_compiler_without_amx_intrinsics_builds_the_kernel_without_tiles(tmp_p
     """gcc < 11 rejects -mamx-tile / -mamx-int8: the build falls back to the same AVX-512 kernel
     without tiles (VNNI, the same a8 bits) instead of to no kernel at all."""
     amx_library()  # skips where there are no tiles to fall back from
-    from specdec.kernels.skinny_gemm import find_compiler, load_library
+    from specdec.kernels import load_library
+    from specdec.kernels.build import find_compiler
 
     wrapper = tmp_path / "cxx-without-amx"
     wrapper.write_text("#!/bin/sh\n"
@@ -302,9 +315,9 @@ def test_speculation_reproduces_a8_plain_greedy(smollm2_a8, drafter_name, option
 
 
 @pytest.mark.slow
-def test_quality_check_scores_the_fixed_text_in_both_modes(smollm2_a8):
-    from specdec.kernels.quality import measure_quality, score_logits, set_activations
-
+def test_quality_check_scores_the_fixed_text_in_both_modes(smollm2_a8, kernel_quality):
+    measure_quality, score_logits = kernel_quality.measure_quality, kernel_quality.score_logits
+    set_activations = kernel_quality.set_activations
     result = measure_quality(smollm2_a8)  # leaves the model in int8 mode, as it was loaded
     assert result["tokens"] > 400
     # int8 activation blocks move the logits a little: the same text, nearly the same predictions
@@ -323,17 +336,16 @@ def test_quality_check_scores_the_fixed_text_in_both_modes(smollm2_a8):
 
 
 @pytest.mark.slow
-def test_llama_cpp_scores_the_same_file_close_to_the_a8_mode(smollm2_a8):
+def test_llama_cpp_scores_the_same_file_close_to_the_a8_mode(smollm2_a8, kernel_quality):
     """The quality check's peer column: llama.cpp's logits for the same ids (optional extra)."""
     from specdec.bench.peers import LLAMA_CPP
-    from specdec.kernels.quality import QUALITY_TEXT, compare, llama_cpp_logits, score_logits
 
     if LLAMA_CPP.missing():
         pytest.skip(LLAMA_CPP.missing())
-    ids = torch.tensor(smollm2_a8.tokenizer(QUALITY_TEXT)["input_ids"][:200])
-    theirs = llama_cpp_logits("smollm2-135m", ids)  # [T, V]
-    ours = score_logits(smollm2_a8, ids)
-    result = compare(ours, theirs[:, : ours.shape[-1]], ids)
+    ids = torch.tensor(smollm2_a8.tokenizer(kernel_quality.QUALITY_TEXT)["input_ids"][:200])
+    theirs = kernel_quality.llama_cpp_logits("smollm2-135m", ids)  # [T, V]
+    ours = kernel_quality.score_logits(smollm2_a8, ids)
+    result = kernel_quality.compare(ours, theirs[:, : ours.shape[-1]], ids)
     # both quantize activations to int8 blocks (in different ways): close, not equal
     assert result["top1_agreement"] > 0.9
     assert abs(math.log(result["ppl_a8"] / result["ppl_exact"])) < 0.05

@@ -15,7 +15,7 @@ PROMPTS = ["What is the capital of France?", "Write one sentence about cats.", "
 def hf_smollm2(smollm2):
     from transformers import AutoModelForCausalLM
 
-    from specdec.models.gguf import transformers_load_kwargs
+    from specdec.models.hf import transformers_load_kwargs
 
     # the cache keeps GGUF blocks: transformers reads (and dequantises) the source GGUF instead
     return AutoModelForCausalLM.from_pretrained(smollm2.model_dir, dtype=torch.float32,

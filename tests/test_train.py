@@ -256,7 +256,7 @@ def test_mtp_training_pass_matches_the_drafting_computation(counter, counter_dat
 
 
 def test_train_dtype_auto_is_bf16_on_cuda_and_on_cpus_with_native_bf16():
-    from specdec.kernels.skinny_gemm import cpu_flags
+    from specdec.kernels.build import cpu_flags
     from specdec.train.cli import default_train_dtype
 
     native = bool({"amx_bf16", "avx512_bf16"} & cpu_flags())

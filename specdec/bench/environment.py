@@ -16,7 +16,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-# /proc/cpuinfo flags the kernel's builds and paths depend on (kernels/skinny_gemm.py: AVX2 / AVX-512
+# /proc/cpuinfo flags the kernel's builds and paths depend on (kernels/build.py: AVX2 / AVX-512
 # builds, VNNI and AMX int8 for the gguf-a8 dot products; avx512_bf16 / amx_bf16: the trainer's bf16 autocast)
 KERNEL_CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 # SPECDEC_* settings that do not change what a run measures (where files are kept)
@@ -40,7 +40,7 @@ def machine_record(linear_backend: str | None = None) -> dict:
     import torch
     import transformers
 
-    from ..kernels.skinny_gemm import cpu_flags  # bench may import kernels (never the other way)
+    from ..kernels.build import cpu_flags  # bench may import kernels (never the other way)
 
     flags = cpu_flags()
     llama_cpp = sys.modules.get("llama_cpp")  # imported only when a llama-* peer ran

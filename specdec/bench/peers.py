@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from . import BenchMethod, MethodOutput, MethodUnavailable, PeerRuntime, PeerSource, register_method_factory
+from .methods import BenchMethod, MethodOutput, MethodUnavailable, PeerRuntime, PeerSource, register_method_factory
 from ..models.base import Target
 
 # option name -> type, per peer (parsed from `hf-pld:prompt_lookup_num_tokens=5`)

@@ -27,7 +27,7 @@ import traceback
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from . import METHODS, BenchMethod, MethodEntry, MethodOutput, MethodUnavailable, PeerSource, register_method_factory
+from .methods import METHODS, BenchMethod, MethodEntry, MethodOutput, MethodUnavailable, PeerSource, register_method_factory
 from . import peers as _peers  # noqa: F401  (registers the hf-* and llama-* methods)
 from .environment import bench_command, machine_record
 from .questions import TASK_KINDS, Question, default_questions_path, load_questions, select_questions

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..checks import check_int, check_positive_int
-from ..kernels.skinny_gemm import rotate_half
+from ..kernels.backends import rotate_half
 from ..models.llama import Block, RMSNorm
 from .modules import DraftHeads, TargetRope, register_head_type
 from .target_parts import FrozenTargetParts, dense_state_dict

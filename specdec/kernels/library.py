@@ -1,0 +1,286 @@
+"""The compiled kernel as a Python object: its C functions through ctypes, loaded once per build.
+
+`load_library()` builds the kernel at first use (build.py) and loads it; `SkinnyGemmLibrary`
+wraps each exported sg_* function for torch tensors (shapes checked by the callers, the
+backends). Environment: SPECDEC_KERNEL_SPIN_US sets how long kernel threads spin-wait between
+calls (default 50); SPECDEC_KERNEL_AMX=0 keeps the int8-activation K-quant linears off AMX
+tiles (same bits, for A/Bs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from .build import KernelUnavailable, build_library, kernel_cache_dir, require_compiler, resolve_isa
+
+ENV_SPIN_US = "SPECDEC_KERNEL_SPIN_US"
+ENV_AMX = "SPECDEC_KERNEL_AMX"
+DEFAULT_SPIN_US = 50
+
+_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_GGUF_LINEAR = (
+    _ptr, _i64, _i64,  # x, M, K
+    _ptr, _i64, _int, _ptr,  # blocks, N, ggml type, bias
+    _ptr, _int,  # y, threads
+)  # fmt: skip
+# every exported function: name -> (restype, argtypes)
+SIGNATURES = {
+    "sg_isa": (ctypes.c_char_p, ()),
+    "sg_vector_width": (_int, ()),
+    "sg_set_spin_us": (None, (_i64,)),
+    "sg_linear_f32": (_int, (
+        _ptr, _i64, _i64,  # x, M, K
+        _ptr, _i64, _ptr,  # w, N, bias
+        _ptr, _int,  # y, threads
+    )),
+    "sg_linear_i8": (_int, (
+        _ptr, _i64, _i64,  # x, M, K
+        _ptr, _i64, _ptr, _ptr,  # q, N, scale, bias
+        _ptr, _int,  # y, threads
+    )),
+    "sg_linear_gguf": (_int, _GGUF_LINEAR),
+    "sg_linear_gguf_a8": (_int, _GGUF_LINEAR),
+    "sg_a8_row_bytes": (_i64, (_i64,)),
+    "sg_quantize_a8": (_int, (_ptr, _i64, _i64, _int, _ptr)),  # x, M, K, block, out
+    "sg_a8_block": (_int, (_int,)),
+    "sg_a8_vnni": (_int, ()),
+    "sg_set_amx": (_int, (_int, _i64)),  # on, min rows
+    "sg_amx": (_int, ()),
+    "sg_dequantize_rows": (_int, (
+        _ptr, _i64, _int,  # blocks, K, ggml type
+        _ptr, _i64, _ptr,  # row ids (int64), count, out
+    )),
+    "sg_attention": (_int, (
+        _ptr, _ptr, _ptr, _i64, _i64,  # q, k, v, kv strides
+        _ptr, _i64, _i64, _i64,  # mask, B, H, Hkv
+        _i64, _i64, _i64, ctypes.c_float,  # T, S, D, scale
+        _ptr, _int,  # out, threads
+    )),
+    "sg_rotary": (_int, (
+        _ptr, _ptr, _ptr,  # x, cos, sin
+        _i64, _i64, _i64, _i64, _ptr,  # B, T, H, D, out
+    )),
+    "sg_block_size": (_int, (_int,)),
+    "sg_block_bytes": (_int, (_int,)),
+}  # fmt: skip
+
+
+class SkinnyGemmLibrary:
+    """The compiled kernel (ctypes). Use `load_library()`, which builds and caches it."""
+
+    def __init__(self, path: Path, isa: str):
+        self.path = path
+        self.isa = isa
+        try:
+            lib = ctypes.CDLL(str(path))
+            for name, (restype, argtypes) in SIGNATURES.items():
+                function = getattr(lib, name)
+                function.restype, function.argtypes = restype, list(argtypes)
+        except (OSError, AttributeError) as exc:  # not a library, or one from another source
+            raise KernelUnavailable(f"cannot load {path}: {exc}") from exc
+        self._lib = lib
+        self._linear = lib.sg_linear_f32
+        self._linear_gguf = lib.sg_linear_gguf
+        self._linear_i8 = lib.sg_linear_i8
+        self._attention = lib.sg_attention
+        self.vector_width = int(lib.sg_vector_width())
+        if lib.sg_isa().decode() != isa:
+            raise KernelUnavailable(f"{path} was built for {lib.sg_isa().decode()}, expected {isa}")
+        self.set_amx(os.environ.get(ENV_AMX, "1").strip().lower() not in ("0", "off", "false", "no"))
+        spin = os.environ.get(ENV_SPIN_US, str(DEFAULT_SPIN_US))
+        try:
+            lib.sg_set_spin_us(max(0, int(spin)))
+        except ValueError:
+            raise ValueError(f"{ENV_SPIN_US} must be a whole number of microseconds, got {spin!r}") from None
+
+    def linear_f32(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_threads: int
+    ) -> torch.Tensor:
+        """x [..., K], weight [N, K], bias [N] or None: contiguous fp32 CPU tensors -> [..., N].
+
+        No checks here (the caller's job); kept lean because a 0.5B model makes ~170 calls per token."""
+        in_features = weight.shape[1]
+        out = torch.empty(x.shape[:-1] + (weight.shape[0],), dtype=torch.float32)  # [..., N]
+        status = self._linear(
+            x.data_ptr(), x.numel() // in_features, in_features, weight.data_ptr(), weight.shape[0],
+            None if bias is None else bias.data_ptr(), out.data_ptr(), num_threads,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"skinny GEMM kernel rejected shapes x {tuple(x.shape)} w {tuple(weight.shape)}")
+        return out
+
+    def linear_int8(
+        self, x: torch.Tensor, quantized: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, num_threads: int
+    ) -> torch.Tensor:
+        """x [..., K] fp32, quantized [N, K] int8, scale [N] fp32 -> x @ (quantized * scale[:, None]).T + bias."""
+        in_features = quantized.shape[1]
+        out = torch.empty(x.shape[:-1] + (quantized.shape[0],), dtype=torch.float32)  # [..., N]
+        status = self._linear_i8(
+            x.data_ptr(), x.numel() // in_features, in_features, quantized.data_ptr(), quantized.shape[0],
+            scale.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), num_threads,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"int8 kernel rejected shapes x {tuple(x.shape)} q {tuple(quantized.shape)}")
+        return out
+
+    def block_layout(self, ggml_type: int) -> tuple[int, int] | None:
+        """(weights, bytes) per block of a GGUF type the kernel computes on, else None."""
+        size = int(self._lib.sg_block_size(int(ggml_type)))
+        return (size, int(self._lib.sg_block_bytes(int(ggml_type)))) if size else None
+
+    def linear_gguf(
+        self, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, bias: torch.Tensor | None, num_threads: int
+    ) -> torch.Tensor:
+        """x [..., K] fp32, blocks [N, K / block * bytes] uint8 (GGUF rows) -> x @ dequantize(blocks).T + bias."""
+        in_features = x.shape[-1]
+        out = torch.empty(x.shape[:-1] + (blocks.shape[0],), dtype=torch.float32)  # [..., N]
+        status = self._linear_gguf(
+            x.data_ptr(), x.numel() // in_features, in_features, blocks.data_ptr(), blocks.shape[0], ggml_type,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), num_threads,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"GGUF kernel rejected x {tuple(x.shape)}, blocks {tuple(blocks.shape)} of type {ggml_type}")
+        return out
+
+    def linear_gguf_a8(
+        self, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, bias: torch.Tensor | None, num_threads: int
+    ) -> torch.Tensor:
+        """As linear_gguf with x quantized to int8 per block of 32 (`quantize_a8`) and integer dot
+        products: the int8-activation mode, lossy vs fp32 activations, batch invariant."""
+        in_features = x.shape[-1]
+        out = torch.empty(x.shape[:-1] + (blocks.shape[0],), dtype=torch.float32)  # [..., N]
+        status = self._lib.sg_linear_gguf_a8(
+            x.data_ptr(), x.numel() // in_features, in_features, blocks.data_ptr(), blocks.shape[0], ggml_type,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), num_threads,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"GGUF a8 kernel rejected x {tuple(x.shape)}, blocks {tuple(blocks.shape)} of type {ggml_type}")
+        return out
+
+    @property
+    def a8_vnni(self) -> bool:
+        """Whether the int8-activation dot products use VNNI here (results are the same either way)."""
+        return bool(self._lib.sg_a8_vnni())
+
+    def set_amx(self, enabled: bool, min_rows: int = 0) -> bool:
+        """Turn AMX int8 tiles for the multi-row a8 K-quant linears on or off (on by default unless
+        SPECDEC_KERNEL_AMX=0); returns whether they are on: False where the build, the CPU or
+        Linux (the tile-state request) lacks them. The results are bitwise the same either way.
+        min_rows > 0 uses AMX from that many activation rows instead of the measured thresholds
+        (3, Q6_K 5), so tests can run every tile path."""
+        return bool(self._lib.sg_set_amx(int(bool(enabled)), max(0, int(min_rows))))
+
+    @property
+    def amx(self) -> bool:
+        """Whether the multi-row a8 K-quant linears run on AMX tiles now."""
+        return bool(self._lib.sg_amx())
+
+    def a8_block(self, ggml_type: int) -> int:
+        """Activation block of the int8 mode for weights of `ggml_type`: 32 (Q4_0 ... Q8_0, as
+        llama.cpp's q8_0) or 256 (K-quants, as q8_K); 0 for a type the kernel does not know."""
+        return int(self._lib.sg_a8_block(int(ggml_type)))
+
+    def quantize_a8(self, x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] fp32 (K a multiple of `block`, 32 or 256) -> the a8 kernel's activation
+        blocks: q [M, K] int8 and d [M, K / block] fp32, x ~ q * d per block."""
+        x = x.detach().to(torch.float32).contiguous()
+        rows, in_features = x.shape
+        row_bytes = int(self._lib.sg_a8_row_bytes(in_features))
+        if row_bytes == 0 or block not in (32, 256) or in_features % block:
+            raise ValueError(f"int8 activation blocks of {block} (32 or 256) need K a multiple of it, got {in_features}")
+        out = torch.empty((rows, row_bytes), dtype=torch.uint8)  # [M, K + 10 K / 32]
+        if self._lib.sg_quantize_a8(x.data_ptr(), rows, in_features, block, out.data_ptr()) != 0:
+            raise RuntimeError(f"cannot quantize x {tuple(x.shape)}")
+        scales = out[:, in_features : in_features + 4 * (in_features // 32)].contiguous().view(torch.float32)  # [M, K / 32]
+        return out[:, :in_features].contiguous().view(torch.int8), scales[:, : in_features // block]
+
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Batch-invariant attention with the default 1/sqrt(D) scale: q [B, H, T, D]; keys, values
+        [B, H_kv, S, D] (rows of D contiguous: views of a KV cache are fine); mask [B, 1, T, S] bool
+        (True = may attend) or None -> [B, H, T, D]. Each query row is computed alone over the slots
+        it sees, in slot order (see sg_attention), so its bits do not depend on the other rows."""
+        batch, heads, num_new, head_dim = q.shape
+        kv_heads, span = keys.shape[1], keys.shape[2]
+        if keys.stride() != values.stride() or keys.stride()[2:] != (head_dim, 1):
+            keys, values = keys.contiguous(), values.contiguous()
+        q = q.contiguous()
+        if mask is not None and (mask.shape != (batch, 1, num_new, span) or not mask.is_contiguous()):
+            mask = mask.expand(batch, 1, num_new, span).contiguous()
+        # mask: bool [B, 1, T, S] contiguous, i.e. the [B, T, S] bytes (0 or 1) the kernel reads; the
+        # model's mask is already that, so no op per layer
+        out = torch.empty_like(q)  # [B, H, T, D]
+        status = self._attention(
+            q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1),
+            None if mask is None else mask.data_ptr(), batch, heads, kv_heads, num_new, span, head_dim,
+            head_dim**-0.5, out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"attention kernel rejected q {tuple(q.shape)} keys {tuple(keys.shape)}")
+        return out
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H, D] fp32, cos / sin [B, 1, T, D] fp32 -> x * cos + rotate_half(x) * sin as
+        [B, H, T, D] contiguous: torch's expression element by element (two products and a sum,
+        each rounded once), so the same bits, in one pass instead of ~8 ops and a copy."""
+        batch, num_new, heads, head_dim = x.shape
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        out = torch.empty((batch, heads, num_new, head_dim), dtype=torch.float32)  # [B, H, T, D]
+        status = self._lib.sg_rotary(
+            x.data_ptr(), cos.data_ptr(), sin.data_ptr(), batch, num_new, heads, head_dim, out.data_ptr()
+        )
+        if status != 0:
+            raise RuntimeError(f"rotary kernel rejected x {tuple(x.shape)} cos {tuple(cos.shape)}")
+        return out
+
+    def dequantize_rows(self, blocks: torch.Tensor, ggml_type: int, in_features: int, rows: torch.Tensor) -> torch.Tensor:
+        """rows [...] int64 (checked in range by the caller) -> dequantized weight rows [..., K] fp32."""
+        rows = rows.contiguous()
+        out = torch.empty(rows.shape + (in_features,), dtype=torch.float32)  # [..., K]
+        status = self._lib.sg_dequantize_rows(
+            blocks.data_ptr(), in_features, ggml_type, rows.data_ptr(), rows.numel(), out.data_ptr()
+        )
+        if status != 0:
+            raise RuntimeError(f"GGUF kernel cannot dequantize type {ggml_type} rows of {in_features}")
+        return out
+
+
+_LIBRARIES: dict[tuple, SkinnyGemmLibrary | KernelUnavailable] = {}  # per (compiler, isa, dir): loaded, or why not
+_BUILD_LOCK = threading.Lock()
+
+
+def load_library(
+    compiler: str | None = None, isa: str | None = None, cache_dir: Path | None = None
+) -> SkinnyGemmLibrary:
+    """Build (once, cached on disk) and load the kernel; raises KernelUnavailable with the reason.
+
+    `isa`: "avx2" or "avx512"; None = $SPECDEC_KERNEL_ISA, else the widest this CPU has. Results
+    are bitwise reproducible per ISA (the two sum in different orders). A build that failed is
+    not tried again in the same process (the same reason is raised)."""
+    isa = resolve_isa(isa)
+    cxx = require_compiler(compiler)
+    cache_dir = Path(cache_dir) if cache_dir is not None else kernel_cache_dir()
+    key = (cxx, isa, str(cache_dir))
+    with _BUILD_LOCK:
+        if key not in _LIBRARIES:
+            _LIBRARIES[key] = _build_and_load(cxx, isa, cache_dir)
+        loaded = _LIBRARIES[key]
+    if isinstance(loaded, KernelUnavailable):
+        raise KernelUnavailable(str(loaded))
+    return loaded
+
+
+def _build_and_load(cxx: str, isa: str, cache_dir: Path) -> SkinnyGemmLibrary | KernelUnavailable:
+    try:
+        path = build_library(cxx, isa, cache_dir)
+    except KernelUnavailable as exc:
+        return exc
+    try:
+        return SkinnyGemmLibrary(path, isa)
+    except KernelUnavailable as exc:
+        path.unlink(missing_ok=True)  # a damaged cache entry: rebuilt by the next process
+        return exc
