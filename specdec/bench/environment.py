@@ -73,9 +73,7 @@ def bench_command(config, target_name: str | None = None) -> str:
     """The `specdec bench` command line that reproduces a run of `config` (a BenchConfig): the
     SPECDEC_* settings in effect, then every option that differs from its default (methods and
     target always). `target_name` replaces config.target when the run got an already loaded target."""
-    from .runner import QUICK_LIMIT_PER_KIND, BenchConfig
-
-    defaults = BenchConfig()
+    defaults = type(config)()  # the BenchConfig defaults (runner.py imports this module, not the other way)
     changed = {f.name for f in fields(config) if getattr(config, f.name) != getattr(defaults, f.name)}
     args = ["--methods", ",".join(config.methods), "--target", target_name or config.target]
     options = (("draft_model", "--draft-model"), ("questions_path", "--questions"), ("max_new_tokens", "--max-new-tokens"),
@@ -88,7 +86,7 @@ def bench_command(config, target_name: str | None = None) -> str:
         args += ["--kinds", ",".join(config.task_kinds)]
     if config.limit_per_kind is None:
         args.append("--full")
-    elif config.limit_per_kind != QUICK_LIMIT_PER_KIND:
+    elif config.limit_per_kind != defaults.limit_per_kind:
         args += ["--limit-per-category", str(config.limit_per_kind)]
     if not config.warmup:
         args.append("--no-warmup")
