@@ -1,5 +1,6 @@
-"""The package's layout, read from the source: no import cycle between modules, and the low layers
-(kernels/, models/) import nothing from the packages built on them. Every import counts, at module
+"""The package's layout, read from the source: no import cycle between modules, the low layers
+(kernels/, models/) import nothing from the packages built on them, and no source file or function
+longer than a reader can hold (600 lines a Python file, 800 a C++ one, 80 a function). Every import counts, at module
 level or inside a function (parsed with ast, nothing is imported), except those under
 `if TYPE_CHECKING:` for the cycle check (they never run). The helpers (python_modules,
 import_graph) walk every module, for any check of the tree's shape."""
@@ -142,3 +143,40 @@ def test_kernels_and_models_import_nothing_above_them():
         if any(within(module, package) for package in above)
     )
     assert not upward, "\n".join(upward)
+
+
+# ---------------------------------------------------------------------------- sizes a reader can hold
+MAX_FILE_LINES = {".py": 600, ".cpp": 800, ".h": 800}
+MAX_FUNCTION_LINES = 80
+SOURCE_DIRS = (PACKAGE_DIR, PACKAGE_DIR.parent / "tests", PACKAGE_DIR.parent / "scripts")
+
+
+def source_files() -> list[Path]:
+    return sorted(path for root in SOURCE_DIRS for path in root.rglob("*") if path.suffix in MAX_FILE_LINES)
+
+
+def long_functions(path: Path, limit: int) -> list[str]:
+    """'file:line name (N lines)' for every function or method of `path` longer than `limit` lines."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > limit:
+                found.append(f"{path.name}:{node.lineno} {node.name} ({length} lines)")
+    return found
+
+
+def test_the_size_checks_see_a_long_function(tmp_path):
+    source = tmp_path / "long.py"
+    source.write_text("def short():\n    return 1\n\n\ndef long():\n" + "    x = 1\n" * 5 + "    return x\n")
+    assert long_functions(source, 6) == ["long.py:5 long (7 lines)"] and long_functions(source, 7) == []
+
+
+def test_no_file_or_function_too_long_to_read():
+    files = source_files()
+    assert len(files) > 50  # the walk found the tree
+    too_long = [f"{path.relative_to(PACKAGE_DIR.parent)} ({lines} lines)" for path in files
+                if (lines := len(path.read_text().splitlines())) > MAX_FILE_LINES[path.suffix]]
+    assert not too_long, f"files over {MAX_FILE_LINES} lines: {too_long}"
+    functions = [entry for path in files if path.suffix == ".py" for entry in long_functions(path, MAX_FUNCTION_LINES)]
+    assert not functions, f"functions over {MAX_FUNCTION_LINES} lines: {functions}"
