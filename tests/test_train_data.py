@@ -53,12 +53,12 @@ def test_held_out_samples_are_spread_over_the_data_not_its_tail():
     from specdec.train.trainer import split_samples
 
     # a job's tail can be a single prompt source (the pools run out): 70 of one kind, then 30 of another
-    samples = [SimpleNamespace(source="mixed" if i < 70 else "code", teacher_forced=False) for i in range(100)]
+    samples = [SimpleNamespace(source="mixed" if i < 70 else "code", teacher_forced=False, held_out=None) for i in range(100)]
     train_part, held_out = split_samples(samples, 0.1)
     assert len(held_out) == 10 and len(train_part) == 90 and not {id(s) for s in held_out} & {id(s) for s in train_part}
     assert [s.source for s in held_out].count("mixed") == 7  # the same mix as the whole data
     for count in (2, 3, 11, 57):  # every sample lands on exactly one side, at least one on each
-        few = [SimpleNamespace(teacher_forced=False) for _ in range(count)]
+        few = [SimpleNamespace(teacher_forced=False, held_out=None) for _ in range(count)]
         train_part, held_out = split_samples(few, 0.1)
         assert len(train_part) + len(held_out) == count and held_out and train_part
         assert {id(s) for s in train_part} | {id(s) for s in held_out} == {id(s) for s in few}

@@ -279,6 +279,10 @@ def run_data(args) -> int:
     from .teacher_forced import CorpusSettings, build_corpus_dataset
 
     check_output_dir(args.out, "training-data")  # before the model loads
+    if args.conversations:  # read (once per process) before the model loads: a bad source is a quick error
+        from .sharegpt import load_conversations
+
+        load_conversations(args.conversations)
     target = _load_target(args)
     args.layers = _layers_for(args, target)
     log = lambda message: print(message, file=sys.stderr)  # noqa: E731
