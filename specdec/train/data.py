@@ -61,7 +61,7 @@ from ..heads import check_target_matches, target_description
 from ..heads.checkpoint import load_weights
 from . import sharegpt
 from .prompts import (DEFAULT_MIX, GENERATED_TEXT_LICENCE, SOURCES, PromptItem, PromptLog, PromptSupply, check_mix,
-                      describe_mix)
+                      describe_mix, prepare_mix)
 
 DATA_FORMAT = "specdec-selfdistill"
 DATA_VERSION = 1
@@ -185,6 +185,8 @@ def _open_or_create(target, out_dir: Path, settings: DataSettings, prompts: list
                 f"{out_dir} already holds data made with other settings (existing, requested): {changed}; "
                 "rerun with the same settings to resume, or choose a new --out"
             )
+        if prompts is None:
+            prepare_mix(settings.prompt_weights)
         stored = _read_prompts(out_dir / PROMPTS_FILE)
         if prompts is not None and _prompts_text(prompts[: len(stored)]) != _prompts_text(stored):
             raise ValueError(f"{out_dir} already holds data for different prompts; choose a new --out")
@@ -193,6 +195,7 @@ def _open_or_create(target, out_dir: Path, settings: DataSettings, prompts: list
         settings.prompt_weights = dict(DEFAULT_MIX)
     check_mix(settings.prompt_weights)
     if prompts is None:
+        prepare_mix(settings.prompt_weights)
         PromptSupply(settings.prompt_weights, settings.seed).check_holds(settings.num_prompts)
     elif len(prompts) != settings.num_prompts:
         raise ValueError(f"got {len(prompts)} prompts but settings.num_prompts is {settings.num_prompts}")

@@ -206,10 +206,15 @@ def check_mix(mix: dict[str, float]) -> dict[str, float]:
         raise ValueError(f"prompt mix weights must be finite numbers >= 0, got {bad}")
     if not any(weight > 0 for weight in mix.values()):
         raise ValueError(f"the prompt mix needs at least one kind with a weight > 0, got {mix}")
+    return {name: float(weight) for name, weight in mix.items()}
+
+
+def prepare_mix(mix: dict[str, float]) -> None:
+    """Read what the mix's kinds need (the `sharegpt` kind: its package), so a missing part is one
+    clear error before a data job writes anything."""
     for name, weight in mix.items():
         if weight > 0 and name in KINDS and KINDS[name].prepare is not None:
             KINDS[name].prepare()
-    return {name: float(weight) for name, weight in mix.items()}
 
 
 def parse_mix(text: str) -> dict[str, float]:
