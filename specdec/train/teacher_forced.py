@@ -173,7 +173,7 @@ CONVERSATIONS_SOURCE = "sharegpt-conversations"  # the samples' source (per-sour
 def conversation_tokens(tokenizer, messages: list[dict], max_length: int) -> tuple[list[int], list[bool]] | None:
     """(token ids of the conversation under the chat template, cut at max_length; per token: part of
     an assistant reply), or None when the template does not render the conversation's prefixes as
-    prefixes of the whole (then no span is sure) or no assistant token is left after the first token.
+    prefixes of the whole (then no span is sure).
 
     An assistant reply spans from the end of the template over the turns before it with the
     generation prompt to the end of the template over the turns up to it (its end-of-turn marker
@@ -192,10 +192,7 @@ def conversation_tokens(tokenizer, messages: list[dict], max_length: int) -> tup
         spans.append((len(before), len(through)))
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoding["input_ids"][:max_length], encoding["offset_mapping"][:max_length]
-    assistant = [any(start <= first < end for start, end in spans) for first, _ in offsets]
-    if not any(assistant[1:]):
-        return None
-    return list(ids), assistant
+    return list(ids), [any(start <= first < end for start, end in spans) for first, _ in offsets]
 
 
 class ConversationCorpus:
@@ -213,13 +210,14 @@ class ConversationCorpus:
         conversations, self.stats = sharegpt.load_conversations(settings.conversations)
         order = list(range(len(conversations)))
         random.Random(settings.seed).shuffle(order)
-        self.conversations, self.tokens, self.assistant, self.skipped = [], [], [], 0
+        self.conversations, self.tokens, self.assistant = [], [], []
+        self.skipped = {"template": 0, "no_reply_within_max_length": 0}
         for index in order:  # tokenised up front: the shards' contents, and their digest, are fixed before any is written
             if settings.max_chunks is not None and len(self.conversations) >= settings.max_chunks:
                 break
             encoded = conversation_tokens(target.tokenizer, list(conversations[index].messages), settings.max_length)
-            if encoded is None:
-                self.skipped += 1
+            if encoded is None or not any(encoded[1][1:]):  # no label to learn before the cut
+                self.skipped["template" if encoded is None else "no_reply_within_max_length"] += 1
                 continue
             self.conversations.append(conversations[index])
             self.tokens.append(torch.tensor(encoded[0], dtype=torch.int32))  # [T]
@@ -246,11 +244,12 @@ class ConversationCorpus:
             "licence": sharegpt.package_licence() if from_package else self.settings.licence,
             "conversations": len(self.conversations), "held_out_conversations": held_out,
             "held_out_rule": f"sha256 of the first user turn: {sharegpt.HELD_OUT_FRACTION:.0%} held out",
-            "skipped_by_template": self.skipped, "read": asdict(self.stats)}}
+            "skipped": self.skipped, "read": asdict(self.stats)}}
 
     def describe(self) -> tuple[str, int]:
         tokens = sum(len(t) for t in self.tokens)
-        return (f"{self.stats.describe()}; {len(self)} conversations used ({self.skipped} the template cannot split), "
+        return (f"{self.stats.describe()}; {len(self)} conversations used (left out: {self.skipped['template']} the "
+                f"template cannot split, {self.skipped['no_reply_within_max_length']} with no reply within max_length), "
                 f"{tokens} tokens, {sum(int(a.sum()) for a in self.assistant)} of them assistant tokens"), tokens
 
     def make_shard(self, indices: list[int]) -> tuple[list[Sample], list[bool]]:
