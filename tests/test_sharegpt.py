@@ -54,6 +54,9 @@ def test_a_copy_cut_mid_object_yields_exactly_its_complete_objects(tmp_path, mon
     assert read == expected and stats.objects == len(expected) > 10 and stats.cut_chars > 0
     cut.write_text(text)  # cut wherever 300,000 characters end: still only complete elements
     assert list(sharegpt.iter_objects(cut, sharegpt.ReadStats())) == expected
+    whole = json.dumps([_conversation("Café?", "Oui."), _conversation("Thé?", "Non.")], ensure_ascii=False).encode()
+    cut.write_bytes(whole[: whole.rindex("Th".encode()) + 3])  # cut inside the two bytes of "é"
+    assert [c.first_user_turn for c in sharegpt.read_conversations(cut)[0]] == ["Café?"]
 
 
 def test_malformed_unusable_and_spec_bench_conversations_are_skipped_and_counted(tmp_path):

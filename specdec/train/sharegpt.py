@@ -99,7 +99,9 @@ def iter_objects(path: str | Path, stats: ReadStats) -> Iterator[object]:
     """The complete elements of the JSON array in `path`, one at a time, up to where the file is cut
     off (never a partial element). Raises ValueError when the file does not start a JSON array."""
     decoder = json.JSONDecoder()
-    with open(path, encoding="utf-8") as file:
+    # surrogateescape: a file cut inside a UTF-8 character (or holding bytes that are not UTF-8) still
+    # reads; such bytes become lone surrogates, which the cut tail never reaches and `normalise` rejects
+    with open(path, encoding="utf-8", errors="surrogateescape") as file:
         buffer, position, at_end = file.read(READ_CHARS), 0, False
         position = _skip(buffer, position)
         if not buffer[position : position + 1] == "[":
@@ -111,6 +113,8 @@ def iter_objects(path: str | Path, stats: ReadStats) -> Iterator[object]:
                 return
             try:
                 value, end = decoder.raw_decode(buffer, position)
+                if end == len(buffer) and not at_end:  # a value ending with the buffer may go on (a number)
+                    raise json.JSONDecodeError("may continue", buffer, end)
             except json.JSONDecodeError:
                 if at_end:  # the rest of the file does not parse: the cut (or a damaged tail), never read
                     stats.cut_chars = len(buffer) - position
