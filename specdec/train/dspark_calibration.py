@@ -48,6 +48,7 @@ def evaluate_blocks(module: DSparkModule, samples: list[Sample], parts: FrozenTa
                            top_layer=module.target_num_layers)
         t = torch.arange(batch.tokens.shape[1], device=batch.tokens.device)
         full = (t + num_positions + 1 < batch.lengths[0]) & (t + 2 >= batch.answer_start[0])  # [T]: K labels in the answer
+        full &= batch.labels_supervised(num_positions)[0]  # in a conversation: labels in one assistant reply
         starts = full.nonzero().squeeze(1)
         if starts.numel() == 0:
             continue

@@ -3,7 +3,9 @@
 Two families of sources, mixed by `PromptSupply` (deterministic for a seed):
 
 * unbounded kinds (`specdec.train.prompt_kinds`): conversation, translation, summarization, qa,
-  math, rag, code — the task kinds users send, each a generator of distinct prompts;
+  math, rag, code — the task kinds users send, each a generator of distinct prompts — and
+  sharegpt, real first user turns of ShareGPT conversations (an optional package; not in the
+  default mix);
 * the first three finite pools (1,443 prompts in all), kept so existing data keeps its meaning:
   `self-instruct` (topic words x task templates), `python-docs` (stdlib docstrings, as `pydoc`
   shows them, in explain / summarise / translate / continue tasks), `code-tasks` (algorithm x
@@ -205,6 +207,14 @@ def check_mix(mix: dict[str, float]) -> dict[str, float]:
     if not any(weight > 0 for weight in mix.values()):
         raise ValueError(f"the prompt mix needs at least one kind with a weight > 0, got {mix}")
     return {name: float(weight) for name, weight in mix.items()}
+
+
+def prepare_mix(mix: dict[str, float]) -> None:
+    """Read what the mix's kinds need (the `sharegpt` kind: its package), so a missing part is one
+    clear error before a data job writes anything."""
+    for name, weight in mix.items():
+        if weight > 0 and name in KINDS and KINDS[name].prepare is not None:
+            KINDS[name].prepare()
 
 
 def parse_mix(text: str) -> dict[str, float]:

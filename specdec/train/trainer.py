@@ -246,6 +246,7 @@ def chain_acceptance(heads: DraftHeads, batch: Batch, features: torch.Tensor, pa
     num_positions = heads.num_positions
     t = torch.arange(batch.tokens.shape[1], device=batch.tokens.device)
     full = (t + num_positions + 1 < batch.lengths[0]) & (t + 2 >= batch.answer_start[0])  # [T]
+    full &= batch.labels_supervised(num_positions)[0]  # in a conversation: labels in one assistant reply
     if is_anchor is not None:
         full &= is_anchor[0]
     starts = full.nonzero().squeeze(1)
@@ -349,15 +350,23 @@ def drop_repeated_prompts(samples: list[Sample]) -> tuple[list[Sample], int]:
 
 
 def split_samples(samples: list[Sample], eval_fraction: float) -> tuple[list[Sample], list[Sample]]:
-    """(train, held-out): ceil(fraction * n) self-distilled samples, evenly spread over them, are
-    held out (at least one when n >= 2); teacher-forced samples only ever train (held-out agreement
-    is measured on the target's own answers, what drafting sees). Only teacher-forced data: held
-    out from those.
+    """(train, held-out): a sample whose source fixes its side (Sample.held_out: ShareGPT, split by
+    conversation) goes there; of the others, ceil(fraction * n) self-distilled samples, evenly
+    spread over them, are held out (at least one when n >= 2); teacher-forced samples only ever
+    train (held-out agreement is measured on the target's own answers, what drafting sees). Only
+    teacher-forced data: held out from those. Nothing held out at all: the last training sample.
 
     Spread, not the last ones: the offline prompt mix is drawn from pools that run out at different
     times, so the tail of a large job is one source only (a 1440-prompt job ends with 144 code
     tasks) and would not be a sample of what the heads train on.
     """
+    train_part, held_part = _spread_split([s for s in samples if s.held_out is None], eval_fraction)
+    train_part = [s for s in samples if s.held_out is False] + train_part
+    held_part = held_part + [s for s in samples if s.held_out]
+    return train_part, held_part or train_part[-1:]
+
+
+def _spread_split(samples: list[Sample], eval_fraction: float) -> tuple[list[Sample], list[Sample]]:
     own = [s for s in samples if not s.teacher_forced]
     corpus = [s for s in samples if s.teacher_forced]
     if not own:
@@ -414,7 +423,8 @@ def train(
     final_eval = run.history["eval"][-1]
     log(f"done: {run.step} steps; held-out loss {final_eval['loss']:.3f}, top-1 agreement per head "
         + ", ".join(f"{acc:.3f}" for acc in final_eval["top1"]) + " (on the greedy path: "
-        + ", ".join(f"{acc:.3f}" for acc in final_eval["top1_greedy_path"]) + f"); checkpoint in {run.out_dir}")
+        + ", ".join(f"{acc:.3f}" for acc in final_eval["top1_greedy_path"]) + f"); {run.samples_per_minute():.1f} "
+        f"training samples per minute; checkpoint in {run.out_dir}")
     return TrainResult(run.step, run.elapsed_s(), final_eval, run.out_dir, run.history)
 
 
@@ -462,6 +472,11 @@ class _TrainingRun:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.elapsed_before, self.history = state["step"], state["elapsed_s"], state["history"]
         log(f"resuming from step {self.step} ({self.elapsed_before / 60:.1f} min trained so far)")
+
+    def samples_per_minute(self) -> float:
+        """Training samples (batch rows) consumed per minute of training, evaluation included: beside the data's
+        supervised positions per minute, it shows whether data or compute bounds a drafter."""
+        return round(60 * self.step * self.settings.batch_size / max(self.elapsed_s(), 1e-9), 2)
 
     def elapsed_s(self) -> float:
         """Training time of this run and the runs it resumed."""
@@ -525,7 +540,8 @@ class _TrainingRun:
     def save(self, final: bool) -> None:
         """The checkpoint (heads + config + latest held-out numbers), the resumable state and the history;
         the plot when final."""
-        summary = {"steps": self.step, "elapsed_s": self.elapsed_s(), "settings": asdict(self.settings)}
+        summary = {"steps": self.step, "elapsed_s": self.elapsed_s(), "samples_per_minute": self.samples_per_minute(),
+                   "settings": asdict(self.settings)}
         save_checkpoint(self.out_dir, self.heads, self.target_info, {**self.extra_config, "training": summary,
                                                                      "eval": self.history["eval"][-1],
                                                                      "draft_vocab": self.draft_vocab})
