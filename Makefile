@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 	# torch first and pinned: the local CPU wheel, never a multi-GB CUDA build
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q -e '.[test,data]'
 	touch $(STAMP)
 
 venv: $(STAMP)
