@@ -62,6 +62,8 @@ def test_options_are_introspectable_and_parsed_like_drafter_args():
                        "model_options": "draft_model=smollm2-135m,gamma=3,tree=true"}
     assert sub_drafter_options("small-model", options["model_options"]) == {"draft_model": "smollm2-135m", "gamma": 3,
                                                                             "tree": True}
+    assert sub_drafter_options("suffix", "max_depth=3;tree=false") == {"max_depth": 3, "tree": False}  # a bench method's form
+    assert make_drafter("hybrid", None, sources="pld+suffix").source_names == ["pld", "suffix"]
     with pytest.raises(ValueError, match="small-model takes KEY=VALUE"):
         sub_drafter_options("small-model", "no_such_option=1")
 

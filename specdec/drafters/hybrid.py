@@ -35,6 +35,7 @@ tests/test_hybrid.py plants that merge and the distribution test catches it). Gr
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -50,7 +51,8 @@ NOT_A_MODEL = ("hybrid", "auto")  # drafters that cannot be the hybrid's model d
 
 def sub_drafter_options(name: str, raw: str | dict | None) -> dict:
     """A source's options: a dict (the API: any values, e.g. a loaded `draft_target`) or one string
-    of KEY=VALUE pairs separated by commas (the CLI: `model_options=draft_model=x,gamma=3`; a piece
+    of KEY=VALUE pairs separated by commas or semicolons (the CLI: `model_options=draft_model=x,gamma=3`;
+    a bench method, whose list is comma-separated: `hybrid:model_options=gamma=3;tree=true`; a piece
     without `=` continues the previous value, so list values keep their commas), parsed like
     `--drafter-arg`s of that drafter."""
     if raw is None or raw == "":
@@ -60,7 +62,7 @@ def sub_drafter_options(name: str, raw: str | dict | None) -> dict:
     if not isinstance(raw, str):
         raise ValueError(f"{name} options must be KEY=VALUE,... or a dict, got {raw!r}")
     pairs: list[str] = []
-    for piece in raw.split(","):
+    for piece in re.split("[,;]", raw):
         if "=" in piece or not pairs:
             pairs.append(piece)
         else:
@@ -136,11 +138,12 @@ class HybridDrafter(Drafter):
     """One tree per step from retrieval sources and an optional model drafter (module docstring).
 
     Options:
-        sources: comma-separated retrieval drafters (suffix, pld, rest), tried in this order (a
-            node several propose is credited to the first); empty: the model alone.
+        sources: retrieval drafters (suffix, pld, rest) separated by `,` or `+` (`+` in a bench
+            method list), tried in this order (a node several propose is credited to the first);
+            empty: the model alone.
         model: a model drafter's name (small-model, eagle3, dspark, ...); empty: retrieval only.
         suffix_options / pld_options / rest_options / model_options: that drafter's options,
-            KEY=VALUE pairs separated by commas (rest needs datastore=DIR), or a dict (API).
+            KEY=VALUE pairs separated by `,` or `;` (rest needs datastore=DIR), or a dict (API).
             A source drafts at most its own block (`gamma`) per step.
         gamma: draft nodes per step when no cost model decides.
         model_per_token: a model-drafted token's price in target steps (default: the model
@@ -155,7 +158,7 @@ class HybridDrafter(Drafter):
                  suffix_options: str | dict | None = None, pld_options: str | dict | None = None,
                  rest_options: str | dict | None = None, model_options: str | dict | None = None,
                  model_per_token: float | None = None):
-        names = [name.strip() for name in sources.split(",") if name.strip()] if isinstance(sources, str) else list(sources)
+        names = [name.strip() for name in re.split("[,+]", sources) if name.strip()] if isinstance(sources, str) else list(sources)
         unknown = [name for name in names if name not in RETRIEVAL_SOURCES]
         if unknown or len(set(names)) != len(names):
             raise ValueError(f"sources must be distinct names among {', '.join(RETRIEVAL_SOURCES)}, got {sources!r}")
