@@ -141,7 +141,8 @@ class HybridDrafter(Drafter):
         sources: retrieval drafters (suffix, pld, rest) separated by `,` or `+` (`+` in a bench
             method list), tried in this order (a node several propose is credited to the first);
             empty: the model alone.
-        model: a model drafter's name (small-model, eagle3, dspark, ...); empty: retrieval only.
+        model: a model drafter's name (small-model, eagle3, dspark, ...), or (API) one already
+            built; empty: retrieval only.
         suffix_options / pld_options / rest_options / model_options: that drafter's options,
             KEY=VALUE pairs separated by `,` or `;` (rest needs datastore=DIR), or a dict (API).
             A source drafts at most its own block (`gamma`) per step.
@@ -162,18 +163,24 @@ class HybridDrafter(Drafter):
         unknown = [name for name in names if name not in RETRIEVAL_SOURCES]
         if unknown or len(set(names)) != len(names):
             raise ValueError(f"sources must be distinct names among {', '.join(RETRIEVAL_SOURCES)}, got {sources!r}")
+        built = model if isinstance(model, Drafter) else None  # the API: a model drafter already built (shared weights)
+        if built is not None and model_options:
+            raise ValueError("model_options go with a model drafter's name, not with a built model drafter")
+        model = built.name if built is not None else model
         if not isinstance(model, str) or model in NOT_A_MODEL or model in RETRIEVAL_SOURCES:
             raise ValueError(f"model must be a model drafter's name (small-model, eagle3, dspark, ...), got {model!r}")
         if not names and not model:
             raise ValueError("the hybrid drafter needs at least one source or a model")
+        if model_options and not model:
+            raise ValueError("model_options given without a model")
         given = {"suffix": suffix_options, "pld": pld_options, "rest": rest_options}
         for name, raw in given.items():
             if raw and name not in names:
                 raise ValueError(f"{name}_options given but {name} is not among the sources {names}")
         self.retrieval = [drafter_class(name)(target=target, **sub_drafter_options(name, given[name])) for name in names]
-        self.model = drafter_class(model)(target=target, **sub_drafter_options(model, model_options)) if model else None
-        if model_options and not model:
-            raise ValueError("model_options given without a model")
+        if built is None and model:
+            built = drafter_class(model)(target=target, **sub_drafter_options(model, model_options))
+        self.model = built
         self.source_names = names + ([model] if model else [])
         if model_per_token is None:
             model_per_token = self.model.cost.per_token if self.model is not None else 0.0
