@@ -75,3 +75,16 @@ def test_sampling_keeps_the_target_distribution(markov_pair):  # noqa: F811
                           model_options={"draft_target": draft}, warmup=1, explore_every=2)
     assert [arm.name for arm in drafter.arms] == ["hybrid", "small-model", "plain"]
     assert _drafted_pair_pvalue(target, drafter, prompt, runs=1500) > 1e-3
+
+
+def test_the_server_drafts_with_auto_unless_told_none(capsys, tmp_path, monkeypatch):
+    """`specdec serve` without --drafter takes auto's options (refused before any model loads);
+    --drafter none is plain decoding, which takes none."""
+    from specdec.cli import main
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # a load would create the model's cache entry here
+    assert main(["serve", "--drafter-arg", "warmup=zero", "--port", "0"]) == 2
+    assert "warmup of auto must be int" in capsys.readouterr().err
+    assert main(["serve", "--drafter", "none", "--drafter-arg", "gamma=2", "--port", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "specdec: error: --drafter-arg needs a drafter (--drafter none is plain decoding)"
+    assert list(tmp_path.iterdir()) == []
