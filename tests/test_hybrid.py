@@ -155,3 +155,27 @@ def test_mixed_tree_keeps_the_target_distribution_and_a_wrong_merge_fails(markov
     assert _drafted_pair_pvalue(target, drafter, prompt, runs=1500) > 1e-3
     merge_sampled_nodes_too(monkeypatch)
     assert _drafted_pair_pvalue(target, drafter, prompt, runs=1500) < 1e-6
+
+
+# ---------------------------------------------------------------------------- trained-head models
+@pytest.mark.parametrize("kind", ["eagle3", "dspark"])
+def test_a_head_drafter_as_the_model(tiny_target, kind):
+    """EAGLE-3 (target hidden layers handed over by the verify forward) and DSpark (a block drafter
+    with confidences) as the hybrid's model: greedy equals plain, sampling runs, nodes are credited."""
+    from test_head_drafter import MODULES, RANKED, random_module
+
+    from specdec.drafters import registered_drafters
+    from specdec.heads import HEAD_TYPES
+
+    name = HEAD_TYPES[kind].drafter
+    options = {} if kind == "eagle3" else {"draft_vocab": 40}
+    model = registered_drafters()[name].from_module(tiny_target, random_module(kind, tiny_target), draft_vocab_ids=RANKED,
+                                                     **options)
+    drafter = HybridDrafter(tiny_target, sources="suffix,pld", model=model, model_per_token=0.0)
+    assert drafter.hidden_layers == model.hidden_layers and MODULES[kind]
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    plain = generate(tiny_target, prompt, None, max_new_tokens=16).tokens
+    result = generate(tiny_target, prompt, drafter, max_new_tokens=16)
+    assert result.tokens == plain and result.stats.drafted_by_source.get(name, 0) > 0
+    sampled = generate(tiny_target, prompt, drafter, max_new_tokens=16, sampling=SamplingParams(temperature=1.0, seed=2))
+    assert sampled.stats.drafted_by_source.get(name, 0) > 0
