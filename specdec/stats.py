@@ -294,8 +294,9 @@ class SpecStats:
                 " ".join("-" if r is None else f"{r:.2f}" for r in per_position),
             ))
         if self.drafted_by_source:
-            rows.append(("accepted / drafted by source", ", ".join(
-                f"{name} {self.accepted_by_source.get(name, 0)}/{count}" for name, count in sorted(self.drafted_by_source.items()))))
+            by_source = sorted(self.drafted_by_source.items())
+            rows.append(("accepted / drafted by source",
+                         ", ".join(f"{name} {self.accepted_by_source.get(name, 0)}/{count}" for name, count in by_source)))
         width = max(len(name) for name, _ in rows)
         lines = ["speculative decoding stats"]
         lines += [f"  {name.ljust(width)}  {value}" for name, value in rows]

@@ -114,7 +114,8 @@ class CandidateTrie:
         """The kept nodes as one Draft, and the trie node of each draft node: deterministic nodes best
         first (score, then depth: parents before children, siblings best first), then the sampled
         nodes in their drafter's order."""
-        fixed = sorted((n for n in kept if self.nodes[n].row is None), key=lambda n: (-self.nodes[n].score, self.nodes[n].depth, n))
+        fixed = sorted((n for n in kept if self.nodes[n].row is None),
+                       key=lambda n: (-self.nodes[n].score, self.nodes[n].depth, n))
         order = fixed + sorted(n for n in kept if self.nodes[n].row is not None)
         position = {node: i for i, node in enumerate(order)}
         chosen = [self.nodes[n] for n in order]
@@ -128,8 +129,9 @@ class CandidateTrie:
                     draft_probs[i, node.token] = 1.0
                 else:
                     draft_probs[i] = node.row
+        credited = tuple(names[node.sources[0]] for node in chosen)
         draft = Draft(torch.tensor([node.token for node in chosen], dtype=torch.long),
-                      torch.tensor(parents, dtype=torch.long), draft_probs, sources=tuple(names[node.sources[0]] for node in chosen))
+                      torch.tensor(parents, dtype=torch.long), draft_probs, sources=credited)
         return draft, order
 
 
@@ -159,7 +161,9 @@ class HybridDrafter(Drafter):
                  suffix_options: str | dict | None = None, pld_options: str | dict | None = None,
                  rest_options: str | dict | None = None, model_options: str | dict | None = None,
                  model_per_token: float | None = None):
-        names = [name.strip() for name in re.split("[,+]", sources) if name.strip()] if isinstance(sources, str) else list(sources)
+        if not isinstance(sources, str):
+            raise ValueError(f"sources must be drafter names separated by ',' or '+', got {sources!r}")
+        names = [name.strip() for name in re.split("[,+]", sources) if name.strip()]
         unknown = [name for name in names if name not in RETRIEVAL_SOURCES]
         if unknown or len(set(names)) != len(names):
             raise ValueError(f"sources must be distinct names among {', '.join(RETRIEVAL_SOURCES)}, got {sources!r}")
