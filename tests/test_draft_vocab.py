@@ -5,6 +5,7 @@ elsewhere), greedy equals plain and sampling keeps the target's distribution."""
 import pytest
 import torch
 from test_model_drafters import PROMPTS, _drafted_pair_pvalue, _make_tiny_pair
+from test_quant_model import quantized_gguf  # noqa: F401  (the fixture: tiny quantized GGUFs)
 
 from specdec import SamplingParams, generate, generate_batch, make_drafter
 from specdec.drafters.base import DraftContext
@@ -84,3 +85,24 @@ def test_greedy_equals_plain_on_smollm2(smollm2, smollm2_bf16):
     results = generate_batch(smollm2, list(PROMPTS), drafter, max_new_tokens=24)
     assert [result.tokens for result in results] == plain
     assert max(result.stats.tau for result in results) > 1.5  # the frequent tokens still carry most drafts
+
+
+def test_a_quantized_head_keeps_its_blocks_in_the_same_kernel(quantized_gguf):
+    """A GGUF head (tied to the embedding's blocks for llama, its own for qwen2): the draft
+    vocabulary's rows stay blocks of the same type, and their logits are the full head's columns."""
+    from conftest import skip_without_kernel
+
+    from specdec.kernels import GGUFLinear
+    from specdec.models.llama import load_native
+
+    skip_without_kernel()
+    _, _, model_dir = quantized_gguf
+    target = load_native(model_dir)
+    head = target.model.lm_head
+    ids = torch.tensor([0, 2, 3, 17, 40])
+    reduced = reduced_lm_head(head, ids)
+    assert isinstance(reduced, GGUFLinear) and reduced.ggml_type == head.ggml_type and reduced.weight.dtype == torch.uint8
+    tokens, positions = torch.tensor([[5, 6, 7, 8]]), torch.arange(4)[None]
+    logits, _ = target.forward(tokens, positions, target.new_cache(1, 8))
+    cut, _ = target.forward(tokens, positions, target.new_cache(1, 8), lm_head=reduced)
+    assert torch.allclose(cut, logits[..., ids], rtol=1e-5, atol=1e-5)
