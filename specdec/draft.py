@@ -59,6 +59,9 @@ class Draft:
         from its ancestors' tokens, never from its own (else verifying the node would depend on
         its value). With them the loop may verify only a prefix of a chain
         (specdec.schedule.admit); they never change which tokens are accepted.
+    sources: N names, or None: which source proposed each node when one drafter merges several
+        (the `hybrid` drafter: "suffix", "pld", "small-model", ...); SpecStats counts drafted and
+        accepted nodes per source. Bookkeeping only: verification never reads it.
 
     Treat a Draft as immutable: structural properties are computed once and cached.
     """
@@ -67,6 +70,7 @@ class Draft:
     parents: torch.Tensor
     draft_probs: torch.Tensor | None = None
     confidences: torch.Tensor | None = None
+    sources: tuple[str, ...] | None = None
 
     def __post_init__(self):
         self.tokens = _as_index_tensor(self.tokens, "tokens")
@@ -100,6 +104,10 @@ class Draft:
                 )
         if self.confidences is not None:
             self.confidences = _as_probability_tensor(self.confidences, num_nodes)
+        if self.sources is not None:
+            self.sources = tuple(self.sources)
+            if len(self.sources) != num_nodes or not all(isinstance(name, str) for name in self.sources):
+                raise ValueError(f"Draft.sources must be one source name per node (N={num_nodes}), got {self.sources!r}")
 
     # ---------------------------------------------------------------- constructors
     @classmethod
@@ -115,7 +123,7 @@ class Draft:
         return cls(tokens=torch.zeros(0, dtype=torch.long), parents=torch.zeros(0, dtype=torch.long))
 
     def prefix(self, num_nodes: int) -> "Draft":
-        """The first `num_nodes` nodes (tokens, parents, draft_probs, confidences sliced alike).
+        """The first `num_nodes` nodes (tokens, parents, draft_probs, confidences, sources sliced alike).
         Parents come before children, so any prefix of node order is itself a valid tree."""
         if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or not 0 <= num_nodes <= self.num_nodes:
             raise ValueError(f"prefix length must be an integer in [0, {self.num_nodes}], got {num_nodes!r}")
@@ -126,6 +134,7 @@ class Draft:
             parents=self.parents[:num_nodes],
             draft_probs=None if self.draft_probs is None else self.draft_probs[:num_nodes],
             confidences=None if self.confidences is None else self.confidences[:num_nodes],
+            sources=None if self.sources is None else self.sources[:num_nodes],
         )
 
     # ---------------------------------------------------------------- structure

@@ -188,6 +188,8 @@ class SpecBatch:
                 seq.last_committed = _commit(seq, result.tokens, self.target, self.eos_ids)
             max_depth = int(draft.depths.max()) if len(draft) else 0
             seq.stats.record_step(len(draft), result.num_accepted, len(seq.last_committed), max_depth)
+            if draft.sources is not None:  # a drafter merging several sources (hybrid): who proposed what
+                seq.stats.record_sources(draft.sources, result.path)
             self.policy.observe(seq, max_depth, result.num_accepted)
             if seq.drafter is not None:
                 seq.ctx.new_hidden = {layer: h[row, kept] for layer, h in hiddens.items()}

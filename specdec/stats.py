@@ -17,6 +17,8 @@ Definitions (Spec-Bench):
     whose accepted path reached depth d (unconditional on earlier depths).
   * ``conditional_acceptance_per_position[d-1]`` = among steps that drafted depth d AND accepted
     depths 1..d-1, the fraction that accepted depth d (the per-depth alpha of the theory).
+  * ``drafted_by_source`` / ``accepted_by_source``: draft nodes sent to verification / accepted,
+    per source, for drafts whose nodes name their source (Draft.sources: the `hybrid` drafter).
 
 SpecStats objects merge (``a.merge(b)`` in place, ``SpecStats.combine([...])`` fresh), so a server
 can aggregate per-request stats into totals.
@@ -69,6 +71,8 @@ class SpecStats:
     proposed_at_depth: list[int] = field(default_factory=list)  # steps that drafted depth d
     reached_at_depth: list[int] = field(default_factory=list)  # ... and accepted depths < d
     accepted_at_depth: list[int] = field(default_factory=list)  # steps that accepted depth d
+    drafted_by_source: dict[str, int] = field(default_factory=dict)  # source name -> nodes verified
+    accepted_by_source: dict[str, int] = field(default_factory=dict)  # source name -> nodes accepted
     time_draft_s: float = 0.0
     time_verify_s: float = 0.0
     time_other_s: float = 0.0
@@ -130,6 +134,14 @@ class SpecStats:
         _add_padded(self.reached_at_depth, [1] * reached + [0] * (max_depth - reached))
         _add_padded(self.accepted_at_depth, [1] * accepted + [0] * (max_depth - accepted))
 
+    def record_sources(self, sources: tuple[str, ...], accepted_path: list[int]) -> None:
+        """Count one step's draft nodes per source (`sources[i]` proposed node i) and the accepted
+        path's nodes (node indices) per source."""
+        for name in sources:
+            self.drafted_by_source[name] = self.drafted_by_source.get(name, 0) + 1
+        for node in accepted_path:
+            self.accepted_by_source[sources[node]] = self.accepted_by_source.get(sources[node], 0) + 1
+
     @contextmanager
     def timer(self, name: str, clock=time.perf_counter) -> Iterator[None]:
         """``with stats.timer("draft"):`` adds the elapsed seconds to ``time_draft_s``."""
@@ -153,8 +165,10 @@ class SpecStats:
             "time_total_s",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for tokens, count in other.tau_histogram.items():
-            self.tau_histogram[tokens] = self.tau_histogram.get(tokens, 0) + count
+        for mine, theirs in ((self.tau_histogram, other.tau_histogram), (self.drafted_by_source, other.drafted_by_source),
+                             (self.accepted_by_source, other.accepted_by_source)):
+            for key, count in theirs.items():
+                mine[key] = mine.get(key, 0) + count
         _add_padded(self.proposed_at_depth, other.proposed_at_depth)
         _add_padded(self.reached_at_depth, other.reached_at_depth)
         _add_padded(self.accepted_at_depth, other.accepted_at_depth)
@@ -221,6 +235,8 @@ class SpecStats:
             "accepted_at_depth": list(self.accepted_at_depth),
             "acceptance_per_position": self.acceptance_per_position,
             "conditional_acceptance_per_position": self.conditional_acceptance_per_position,
+            "drafted_by_source": dict(sorted(self.drafted_by_source.items())),
+            "accepted_by_source": dict(sorted(self.accepted_by_source.items())),
             "time_draft_s": self.time_draft_s,
             "time_verify_s": self.time_verify_s,
             "time_other_s": self.time_other_s,
@@ -243,6 +259,8 @@ class SpecStats:
             proposed_at_depth=[int(v) for v in data.get("proposed_at_depth", [])],
             reached_at_depth=[int(v) for v in data.get("reached_at_depth", [])],
             accepted_at_depth=[int(v) for v in data.get("accepted_at_depth", [])],
+            drafted_by_source={str(k): int(v) for k, v in data.get("drafted_by_source", {}).items()},
+            accepted_by_source={str(k): int(v) for k, v in data.get("accepted_by_source", {}).items()},
             time_draft_s=float(data.get("time_draft_s", 0.0)),
             time_verify_s=float(data.get("time_verify_s", 0.0)),
             time_other_s=float(data.get("time_other_s", 0.0)),
@@ -275,6 +293,10 @@ class SpecStats:
                 "accept by position 1..",
                 " ".join("-" if r is None else f"{r:.2f}" for r in per_position),
             ))
+        if self.drafted_by_source:
+            by_source = sorted(self.drafted_by_source.items())
+            rows.append(("accepted / drafted by source",
+                         ", ".join(f"{name} {self.accepted_by_source.get(name, 0)}/{count}" for name, count in by_source)))
         width = max(len(name) for name, _ in rows)
         lines = ["speculative decoding stats"]
         lines += [f"  {name.ljust(width)}  {value}" for name, value in rows]

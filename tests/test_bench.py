@@ -134,6 +134,26 @@ def test_summary_reports_the_draft_sizes_that_were_verified():
     assert "| plain | 0" not in markdown  # a method that never drafted has no row
 
 
+def test_summary_reports_which_source_drafted_what():
+    from specdec.bench.report import markdown_table
+    from specdec.stats import SpecStats
+
+    first, second = SpecStats(), SpecStats()
+    first.record_step(3, 2, max_depth=2)
+    first.record_sources(("suffix", "suffix", "small-model"), [0, 1])
+    second.record_step(2, 1)
+    second.record_sources(("small-model", "small-model"), [0])
+    rows = [_row("plain", 1, "qa", 1, 5, 1.0, 5), _row("hybrid", 1, "qa", 1, 3, 1.0, 1, first.to_dict()),
+            _row("hybrid", 2, "rag", 1, 2, 1.0, 1, second.to_dict())]
+    methods = [dict(label=m, status="ok", reason=None, exact=True, peer=False, description="") for m in ("plain", "hybrid")]
+    summary = method_summary_rows(rows, methods, ["qa", "rag"])
+    hybrid = summary["methods"]["hybrid"]
+    assert hybrid["overall"]["by_source"] == {"small-model": [1, 3], "suffix": [2, 2]}
+    assert summary["methods"]["plain"]["overall"]["by_source"] == {}
+    markdown = markdown_table(summary, {"limit_per_kind": 1, "gamma": "auto"})
+    assert "| hybrid | small-model 0/1, suffix 2/2 | small-model 1/2 | small-model 1/3, suffix 2/2 |" in markdown
+
+
 def _config_of_command(command: str) -> BenchConfig:
     words = shlex.split(command)
     start = words.index("specdec")

@@ -61,6 +61,19 @@ def _draft_sizes(rows: Sequence[dict]) -> dict:
     }
 
 
+def _by_source(rows: Sequence[dict]) -> dict[str, list[int]]:
+    """[accepted, drafted] nodes per source, pooled over the rows whose drafts name their sources
+    (the hybrid drafter's sources, the auto drafter's methods)."""
+    pooled: dict[str, list[int]] = {}
+    for row in rows:
+        stats = row.get("stats") or {}
+        for name, drafted in stats.get("drafted_by_source", {}).items():
+            counts = pooled.setdefault(name, [0, 0])
+            counts[0] += stats.get("accepted_by_source", {}).get(name, 0)
+            counts[1] += drafted
+    return dict(sorted(pooled.items()))
+
+
 def _cell(rows: Sequence[dict]) -> dict:
     """tokens/s (mean over questions), pooled tau and draft sizes of some rows of one method."""
     speeds = list(_question_speeds(rows).values())
@@ -72,6 +85,7 @@ def _cell(rows: Sequence[dict]) -> dict:
         "tau": sum(step_tokens) / sum(steps) if steps else None,
         "mean_new_tokens": _mean([row["num_tokens"] for row in rows]),
         **_draft_sizes(rows),
+        "by_source": _by_source(rows),
     }
 
 
@@ -199,6 +213,7 @@ def markdown_table(summary: dict, config: dict, title: bool = True) -> str:
     lines.append("")
     lines.append("τ = mean tokens per verify step (accepted draft tokens + the bonus/correction token).")
     lines.extend(_draft_size_table(summary))
+    lines.extend(_source_table(summary))
     if notes:
         lines.append(f"For peers ({', '.join(notes)}) τ = tokens per target forward (a transformers forward call, a "
                      "llama.cpp eval call); a peer's output differing from its reference is a warning only (another "
@@ -235,6 +250,27 @@ def _draft_size_table(summary: dict) -> list[str]:
         cells = [_format_size(entry["per_kind"][k]) for k in kinds] + [_format_size(entry["overall"])]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines + [""]  # a blank line ends the table before any note
+
+
+def _source_table(summary: dict) -> list[str]:
+    """Per method whose nodes name their source (hybrid, auto) and task kind: accepted / drafted nodes per source."""
+    kinds = summary["kinds"]
+    credited = {label: entry for label, entry in summary["methods"].items()
+                if entry["status"] == "ok" and entry["overall"].get("by_source")}
+    if not credited:
+        return []
+    lines = [
+        "",
+        "Which source drafted what (the hybrid's sources, the methods auto chose): accepted / drafted nodes.",
+        "",
+        "| method | " + " | ".join(TASK_KIND_TITLES[k] for k in kinds) + " | Overall |",
+        "|---|" + "---|" * (len(kinds) + 1),
+    ]
+    for label, entry in credited.items():
+        cells = [entry["per_kind"][k].get("by_source") for k in kinds] + [entry["overall"]["by_source"]]
+        text = [", ".join(f"{name} {a}/{d}" for name, (a, d) in cell.items()) if cell else "-" for cell in cells]
+        lines.append(f"| {label} | " + " | ".join(text) + " |")
+    return lines + [""]
 
 
 # ============================================================================ plots

@@ -30,8 +30,9 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
 
-from ..checks import check_positive_int
+from ..checks import check_int, check_positive_int
 from ..draft import Draft, ScoredTree
 from ..kv_cache import KVCache
 from ..models.base import Target
@@ -58,16 +59,19 @@ class DraftLM:
 
     `forward` / `new_cache(max_len)` come from the backing model (a separate small model, or the
     target's first layers). Logits come back in the TARGET's vocabulary of `vocab_size` ids:
-    sliced when the draft head is larger (padding rows), -inf padded when it is smaller.
+    sliced when the draft head is larger (padding rows), -inf padded when it is smaller, and -inf
+    outside `token_ids` when the forward computes only a draft vocabulary's columns.
 
     Cache layout: slots [0, len(tokens)) hold `tokens`, a real prefix of the sequence (positions
     = slot index). Tree drafting may write extra node slots after them (`run_nodes`); they are
     dropped by `drop_nodes()` / `sync()` unless adopted as a chain (`adopt_nodes`).
     """
 
-    def __init__(self, forward: DraftForward, new_cache: Callable[[int], object], vocab_size: int, capacity: int):
+    def __init__(self, forward: DraftForward, new_cache: Callable[[int], object], vocab_size: int, capacity: int,
+                 token_ids: torch.Tensor | None = None):
         self._forward, self._new_cache = forward, new_cache
         self.vocab_size = vocab_size
+        self.token_ids = token_ids  # [V'] the ids of the forward's logit columns (a draft vocabulary); None: all
         self.capacity = max(1, int(capacity))
         self.cache = new_cache(self.capacity)
         self.tokens: list[int] = []  # tokens whose K/V fill the first slots, in sequence order
@@ -127,6 +131,10 @@ class DraftLM:
         mask = None if attn_mask is None else attn_mask[None]  # [1, T, T]
         logits = self._forward(token_tensor, positions[None], self.cache, mask)[0].float()  # [T, V_draft]
         draft_vocab = logits.shape[-1]
+        if self.token_ids is not None:  # a reduced draft vocabulary: every other id gets probability 0
+            full = logits.new_full((logits.shape[0], self.vocab_size), -math.inf)  # [T, V]
+            full[:, self.token_ids] = logits
+            return full
         if draft_vocab > self.vocab_size:  # padded draft head: the extra ids are no tokens
             logits = logits[:, : self.vocab_size]
         elif draft_vocab < self.vocab_size:  # smaller draft head: ids it lacks get probability 0
@@ -348,6 +356,34 @@ def decode_cost_bytes(model_target) -> float:
     return float(total)
 
 
+def frequent_token_ids(vocab_size: int, size: int, always: Sequence[int]) -> torch.Tensor | None:
+    """A draft vocabulary of `size` frequent tokens: the lowest ids (a BPE tokenizer numbers its
+    tokens in the order its merges were learnt, most frequent first), plus `always` (the end-of-text
+    ids, so a draft can end); sorted [V']. None when that is the whole vocabulary."""
+    if size >= vocab_size:
+        return None
+    ids = set(range(size)) | {int(token) for token in always if 0 <= int(token) < vocab_size}
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+def reduced_lm_head(head: nn.Module, token_ids: torch.Tensor) -> nn.Module:
+    """The LM head over the rows `token_ids` only, run by the same kernel as `head`: GGUF blocks
+    hold whole rows, so the rows stay in their quantized format (GGUFLinear); dense rows keep the
+    head's linear backend (FastLinear)."""
+    from ..kernels.backends import FastLinear
+    from ..kernels.gguf_linear import GGUFLinear
+
+    rows = head.weight.detach().index_select(0, token_ids)  # [V', H] (GGUF: [V', row bytes] uint8)
+    bias = None if head.bias is None else head.bias.detach().index_select(0, token_ids)
+    if isinstance(head, GGUFLinear):
+        return GGUFLinear(rows, head.ggml_type, head.in_features, bias, head.backend, head.activations)
+    linear = nn.Linear(head.in_features, len(token_ids), bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(rows, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
+    return FastLinear(linear, head.backend) if isinstance(head, FastLinear) else linear
+
+
 @register_drafter
 class SmallModelDrafter(ModelDrafter):
     """Draft with an independent smaller model that shares the target's tokenizer.
@@ -358,6 +394,11 @@ class SmallModelDrafter(ModelDrafter):
     gamma: chain length per step; tree / tree_*: see ModelDrafter (tree_nodes = node budget).
     sample: at temperature > 0, sample chains and trees from q with exact draft_probs (false: argmax
         chains and top-k trees, deterministic proposals).
+    draft_vocab: propose only from the `draft_vocab` most frequent tokens (frequent_token_ids; 0 =
+        the whole vocabulary), EAGLE-3's draft vocabulary: the draft model's LM head computes only
+        those rows (reduced_lm_head; on a Qwen2.5 0.5B most of a step is its 151,936-row head) and
+        q is exactly the warped softmax over them, zero elsewhere. Needs a draft model on the native
+        runtime.
     """
 
     name = "small-model"
@@ -375,8 +416,10 @@ class SmallModelDrafter(ModelDrafter):
         tree_topk: int = 3,
         tree_beam: int = 1,
         sample: bool = True,
+        draft_vocab: int = 0,
     ):
         super().__init__(gamma, tree, tree_nodes, tree_depth, tree_topk, tree_beam, sample)
+        check_int("draft_vocab (0 = the whole vocabulary)", draft_vocab, 0)
         if draft_target is None:
             if not isinstance(draft_model, str) or not draft_model:
                 raise ValueError(f"draft_model must be a model name, directory or .gguf path, got {draft_model!r}")
@@ -390,12 +433,35 @@ class SmallModelDrafter(ModelDrafter):
         self.draft_target = draft_target
         self._checked_targets: list = []  # targets whose tokenizer matched (shared by sequence copies)
         self.target_vocab_size = None
+        self.token_ids, self.lm_head = self._draft_vocabulary(draft_target, draft_vocab)
         if target is not None:
             self._check_target(target)
-            per_token = decode_cost_bytes(draft_target) / decode_cost_bytes(target)
+            per_token = self._step_cost_bytes() / decode_cost_bytes(target)
             if math.isnan(per_token):
                 per_token = draft_target.num_layers * draft_target.hidden_size / (target.num_layers * target.hidden_size)
             self.cost = dataclasses.replace(self.cost, per_token=per_token)
+
+    @staticmethod
+    def _draft_vocabulary(draft_target, size: int) -> tuple[torch.Tensor | None, nn.Module | None]:
+        """(the draft vocabulary's ids [V'], the LM head over them), or (None, None) for all tokens."""
+        if size == 0:
+            return None, None
+        from ..models.llama import NativeTarget
+
+        if not isinstance(draft_target, NativeTarget):
+            raise ValueError(f"draft_vocab needs a draft model on the native runtime, got {type(draft_target).__name__}")
+        head = draft_target.model.lm_head
+        ids = frequent_token_ids(min(head.out_features, draft_target.vocab_size), size, draft_target.eos_token_ids)
+        return (None, None) if ids is None else (ids, reduced_lm_head(head, ids))
+
+    def _step_cost_bytes(self) -> float:
+        """Weight bytes one draft step reads: the draft model's, with only the draft vocabulary's LM-head rows."""
+        total = decode_cost_bytes(self.draft_target)
+        if self.lm_head is None:
+            return total
+        full = self.draft_target.model.lm_head.weight
+        reduced = sum(p.numel() * p.element_size() for p in self.lm_head.parameters())
+        return total - full.numel() * full.element_size() + reduced
 
     def _check_target(self, target) -> None:
         if not any(target is seen for seen in self._checked_targets):
@@ -413,8 +479,11 @@ class SmallModelDrafter(ModelDrafter):
     def _new_draft_lm(self, capacity: int) -> DraftLM:
         draft = self.draft_target
 
+        reduced = {} if self.lm_head is None else {"lm_head": self.lm_head}  # logits [1, T, V'] over token_ids
+
         def forward(tokens, positions, cache, attn_mask):
-            logits, _ = draft.forward(tokens, positions, cache, attn_mask=attn_mask)
+            logits, _ = draft.forward(tokens, positions, cache, attn_mask=attn_mask, **reduced)
             return logits
 
-        return DraftLM(forward, lambda max_len: draft.new_cache(1, max_len), self.target_vocab_size, capacity)
+        new_cache = lambda max_len: draft.new_cache(1, max_len)  # noqa: E731
+        return DraftLM(forward, new_cache, self.target_vocab_size, capacity, self.token_ids)

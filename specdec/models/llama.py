@@ -200,6 +200,7 @@ class LlamaModel(nn.Module):
         layer_ids: Sequence[int] | None = None,
         token_valid: torch.Tensor | None = None,
         logits_at: torch.Tensor | None = None,
+        lm_head: nn.Module | None = None,
     ):
         """tokens / positions [B, T]; attn_mask [B, T, T] among new tokens or None (causal).
 
@@ -208,6 +209,8 @@ class LlamaModel(nn.Module):
         batch: linear layers and the LM head skip the others, whose logits/hiddens are zeros.
         `logits_at [B]` (long) asks for one row's logits per batch row (a prefill needs only each
         prompt's last): the LM head runs on those B rows only and logits are [B, 1, V].
+        `lm_head` replaces the model's own LM head for this call (a draft model's reduced draft
+        vocabulary: logits [..., V'] in its row order).
         Returns (logits [B, T, V] float32, {layer: hidden [B, T, H]}).
         """
         batch, num_new = tokens.shape
@@ -232,7 +235,8 @@ class LlamaModel(nn.Module):
             hiddens[self.config.num_hidden_layers] = x
         if logits_at is not None:
             x, rows = x[torch.arange(batch), logits_at][:, None], None  # [B, 1, H]
-        logits = packed_linear(self.lm_head, x, rows).float()  # [B, T, V] ([B, 1, V] with logits_at)
+        head = self.lm_head if lm_head is None else lm_head
+        logits = packed_linear(head, x, rows).float()  # [B, T, V] ([B, 1, V] with logits_at)
         return logits, hiddens
 
 
@@ -283,9 +287,9 @@ class NativeTarget(Target):
     selects_logits = True  # forward(..., logits_at=) runs the LM head on one row per batch row
 
     def forward(self, tokens, positions, cache, attn_mask=None, hidden_layers=(), layer_ids=None, token_valid=None,
-                logits_at=None):
+                logits_at=None, lm_head=None):
         return self.model(tokens, positions, cache, attn_mask, hidden_layers, layer_ids, token_valid=token_valid,
-                          logits_at=logits_at)
+                          logits_at=logits_at, lm_head=lm_head)
 
 
 WEIGHT_FORMATS = ("gguf", "gguf-a8", "fp32")

@@ -26,7 +26,9 @@ log = logging.getLogger("specdec.server")
 def add_serve_arguments(parser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, HF model directory, or .gguf file")
     parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
-    parser.add_argument("--drafter", default=None, help="drafter name (see `specdec drafters`); none = plain decoding")
+    parser.add_argument("--drafter", default="auto",
+                        help="drafter name (see `specdec drafters`); default auto: per request the method that earns the "
+                             "most tokens/s here (plain, suffix, pld, hybrid); none = plain decoding")
     parser.add_argument("--drafter-arg", action="append", default=[], metavar="KEY=VALUE", help="drafter option")
     parser.add_argument("--gamma", default="auto", help="draft budget per step: an int (that block, verified whole), or 'auto' "
                         "(load-aware cost model; a drafter with confidences is cut by the scheduler across the batch)")
@@ -112,13 +114,16 @@ def run_serve(args) -> int:
     from .app import create_app
 
     config = ServerConfig.from_args(args)  # every setting checked once, here, before anything loads
-    options = drafter_options(args.drafter, args.drafter_arg) if args.drafter else {}
+    drafter_name = None if args.drafter == "none" else args.drafter
+    options = drafter_options(drafter_name, args.drafter_arg) if drafter_name else {}
+    if args.drafter_arg and not drafter_name:
+        raise ValueError("--drafter-arg needs a drafter (--drafter none is plain decoding)")
     check_port_free(config.host, config.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     target = load_target(args.model, dtype=args.dtype, weights=args.weights)
-    drafter = make_drafter(args.drafter, target, **options) if args.drafter else None
+    drafter = make_drafter(drafter_name, target, **options) if drafter_name else None
     app = create_app(target, drafter, config)
-    log.info("serving %s (drafter %s, gamma %s) on http://%s:%d/v1", args.model, args.drafter or "none", config.gamma,
+    log.info("serving %s (drafter %s, gamma %s) on http://%s:%d/v1", args.model, args.drafter, config.gamma,
              config.host, config.port)
     uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
                                     timeout_graceful_shutdown=config.shutdown_timeout + SHUTDOWN_GRACE_S)

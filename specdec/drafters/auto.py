@@ -1,0 +1,172 @@
+"""`auto`: per request, the drafting method that earns the most tokens per second here, learnt online.
+
+Arms: plain decoding (an empty draft) and every method in `methods` (default: suffix, pld, and
+hybrid = suffix + pld, plus the model drafter when `model=NAME` is given; with a model, the model
+drafter alone is an arm too, sharing its weights with the hybrid's). Each step ONE arm drafts, at
+most its own block of the budget the budget policy gave (how many nodes a step drafts stays the
+policy's decision, budget.py; auto only picks the method).
+
+What an arm earns is measured, not modelled: after the verify, the arm that drafted records the
+tokens the step emitted (its accepted draft tokens + the bonus) and the step's wall time, from the
+start of its drafting to the drafter's `on_verified` (drafting + the verify forward + commit: the
+step cost on this machine, at this batch size), both as exponentially decayed sums (`decay` per
+step the arm runs); its rate is tokens / ms. An arm's first step is not timed (a draft model
+prefills the prompt then). The choice: every arm runs `warmup` steps in turn (plain first unless
+`methods` lists `plain` elsewhere), then
+the arm with the best rate runs, except that every `explore_every`-th step the arm measured longest
+ago runs once, so a method whose fortunes change (a repetitive stretch for retrieval) is found again.
+
+Exactness: each step's draft is one arm's own draft through the one verification, and which arm
+drafts depends only on earlier steps' measurements, never on this step's tokens (non-anticipation,
+budget.py), so greedy equals plain and sampling keeps the target's distribution. Wall-time
+measurements make the choices differ from run to run, so a seeded sampled run need not repeat
+token for token (its distribution is always exactly the target's).
+
+What it chose: each node is credited (Draft.sources) to its arm, or "hybrid:SOURCE" for the hybrid's
+nodes, so `--stats` and bench results show accepted / drafted per method; steps that drafted
+nothing are plain steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+import time
+from dataclasses import dataclass
+
+from ..checks import check_int
+from ..draft import Draft
+from .base import DraftContext, DraftCost, Drafter, drafter_class, register_drafter
+from .hybrid import HybridDrafter, sub_drafter_options
+
+PLAIN = "plain"
+
+
+@dataclass
+class ArmRecord:
+    """One method's measured earnings in this request (decayed sums over the steps it ran)."""
+
+    name: str
+    drafter: Drafter | None  # None: plain decoding
+    tokens: float = 0.0  # decayed tokens emitted by its steps
+    ms: float = 0.0  # decayed wall ms of its steps
+    runs: int = 0  # steps it ran (its first is not timed)
+    last_run: int = -1  # the step it last ran
+
+    def rate(self) -> float:
+        """Tokens per ms; unmeasured arms rank first (they must be tried)."""
+        return self.tokens / self.ms if self.ms > 0 else math.inf
+
+
+@register_drafter
+class AutoDrafter(Drafter):
+    """Picks, step by step, the drafting method (or plain decoding) that earns the most tokens per
+    second in this request, from the measured step times and accepted tokens (module docstring).
+
+    Options:
+        methods: drafters to choose among, separated by `,` or `+` (hybrid = suffix + pld + the
+            model), in warm-up order; plain decoding is always an arm (first unless listed).
+        model: a model drafter (small-model, eagle3, dspark, ...) for the hybrid and as an arm of
+            its own; model_options: its options (KEY=VALUE,... or a dict).
+        warmup: steps each arm runs in turn at the start. explore_every: every this many steps the
+            arm measured longest ago runs once. decay: weight of an arm's older steps per step it runs.
+    """
+
+    name = "auto"
+    cost = DraftCost(block=8, trees=True)
+
+    def __init__(self, target=None, methods: str = "suffix,pld,hybrid", model: str = "",
+                 model_options: str | dict | None = None, warmup: int = 2, explore_every: int = 16, decay: float = 0.9):
+        names = [name.strip() for name in re.split("[,+]", methods) if name.strip()] if isinstance(methods, str) else []
+        if not names or len(set(names)) != len(names) or "auto" in names or names == [PLAIN]:
+            raise ValueError(f"methods must be distinct drafter names (not auto), got {methods!r}")
+        names = names if PLAIN in names else [PLAIN, *names]  # plain decoding is always an arm (first by default)
+        if model_options and not model:
+            raise ValueError("model_options given without a model")
+        self.warmup = check_int("warmup", warmup, 1, 1000)
+        self.explore_every = check_int("explore_every", explore_every, 2, 100_000)
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be a number in (0, 1], got {decay!r}")
+        self.decay = float(decay)
+        model_drafter = drafter_class(model)(target=target, **sub_drafter_options(model, model_options)) if model else None
+        drafters: list[tuple[str, Drafter | None]] = []
+        for name in names:
+            if name == PLAIN:
+                drafters.append((name, None))
+            elif name == model:  # listed among the methods: the same model drafter, at that place
+                drafters.append((name, model_drafter))
+            elif name == "hybrid":
+                drafters.append((name, HybridDrafter(target, model=model_drafter or "")))
+            else:
+                drafters.append((name, drafter_class(name)(target=target)))
+        if model_drafter is not None and model not in names:
+            drafters.append((model, model_drafter))
+        self.arms = [ArmRecord(name, drafter) for name, drafter in drafters]
+        parts = [arm.drafter for arm in self.arms if arm.drafter is not None]
+        self.hidden_layers = tuple(sorted({layer for drafter in parts for layer in drafter.hidden_layers}))
+        self.wants_node_logits = any(drafter.wants_node_logits for drafter in parts)
+        self.cost = DraftCost(block=max(drafter.cost.block for drafter in parts),
+                              per_token=min(drafter.cost.per_token for drafter in parts), trees=True)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.step = 0
+        self.running: tuple[ArmRecord, float] | None = None  # the arm drafting this step, its start (perf_counter s)
+
+    def for_sequence(self) -> AutoDrafter:
+        fresh = copy.copy(self)
+        fresh.arms = [ArmRecord(arm.name, None if arm.drafter is None else arm.drafter.for_sequence()) for arm in self.arms]
+        fresh._reset()
+        return fresh
+
+    def begin(self, prompt_ids: list[int], target) -> None:
+        self._reset()
+        for arm in self.arms:
+            arm.tokens = arm.ms = 0.0
+            arm.runs, arm.last_run = 0, -1
+            if arm.drafter is not None:
+                arm.drafter.begin(prompt_ids, target)
+
+    def choose(self) -> ArmRecord:
+        """This step's arm, from earlier steps' measurements only."""
+        if self.step < self.warmup * len(self.arms):
+            return self.arms[self.step // self.warmup]
+        if self.step % self.explore_every == 0:
+            return min(self.arms, key=lambda arm: arm.last_run)
+        return max(self.arms, key=lambda arm: arm.rate())
+
+    def propose(self, ctx: DraftContext, budget: int) -> Draft:
+        start = time.perf_counter()
+        arm = self.choose()
+        self.running = (arm, start)
+        arm.last_run, self.step = self.step, self.step + 1
+        if arm.drafter is None or budget <= 0:
+            return Draft.empty()
+        draft = arm.drafter.propose(ctx, min(budget, arm.drafter.cost.block))
+        if draft.sources is not None:
+            credited = tuple(f"{arm.name}:{source}" for source in draft.sources)
+        else:
+            credited = (arm.name,) * len(draft)
+        return Draft(draft.tokens, draft.parents, draft.draft_probs, draft.confidences, credited)
+
+    def on_verified(self, result, ctx: DraftContext) -> None:
+        if self.running is not None:
+            arm, start = self.running
+            self.running = None
+            if arm.runs:  # an arm's first step includes one-off work (a draft model's prompt prefill)
+                arm.tokens = self.decay * arm.tokens + len(result.tokens)
+                arm.ms = self.decay * arm.ms + 1000.0 * (time.perf_counter() - start)
+            arm.runs += 1
+        for arm in self.arms:
+            if arm.drafter is not None:
+                arm.drafter.on_verified(result, ctx)
+
+    def on_finished(self, result, ctx: DraftContext) -> None:
+        for arm in self.arms:
+            if arm.drafter is not None:
+                arm.drafter.on_finished(result, ctx)
+
+    def chosen(self) -> dict[str, int]:
+        """Steps each arm ran in this request."""
+        return {arm.name: arm.runs for arm in self.arms}

@@ -1,0 +1,273 @@
+"""`hybrid`: one draft tree per step from several sources, retrieval and a model drafter (SAMD's idea).
+
+Each step the retrieval sources (`sources=suffix,pld,rest`: nearly free, deterministic proposals)
+propose their candidates, which are merged on shared prefixes into one trie over token paths; the
+optional model drafter (`model=small-model|eagle3|dspark|...`, its options in `model_options`)
+then proposes into the budget the retrieval candidates leave, and the whole is ONE `Draft`
+verified by the one tree verification (specdec.verify). Each node names its source
+(`Draft.sources`), so `SpecStats` counts drafted and accepted nodes per source.
+
+Scores and the cut. Every source has its own `AcceptanceTracker` (budget.py): per-depth acceptance
+of the nodes it proposed, learnt from earlier steps' outcomes. A node's score is its source's
+path score at the node's depth (a merged node: the best of its sources'), which is information from
+before this step's drafting. The step's budget (from the budget policy) is filled best first by
+score (ties: shallower, then retrieval before the model) from the retrieval nodes and the model's
+prospective chain slots; a model slot at depth d enters only when it pays for itself, s_d >
+`model_per_token` (default: the model drafter's `cost.per_token`, a drafted token's cost in target
+steps, against the ~one target step an accepted token saves). The model runs only when at least
+one slot entered, asked for exactly that many nodes; the catch-up of its own cache (a draft model
+prefilling the prompt) is paid on its first run and not priced here (`catch_up_tokens` is 0, so
+the budget policy plans the retrieval part as for any free drafter).
+
+Why the merged tree stays exact (the rule of specdec.verify relied on): verify_tree tries a node's
+children in node order against the current residual, and a child's `draft_probs` row must be the
+distribution its token was drawn from given everything the verifier saw before trying it. A
+deterministic proposal (a function of the committed context) carries a one-hot row (accept with
+p(x), then remove x: the `draft_probs=None` rule), so it may stand before or after sampled
+siblings. A sampled model node keeps the row it was drawn from, and the tree around it may not
+depend on its value: the model's budget is fixed before it drafts, its sampled nodes are all kept
+(its own tree is exact by ScoredTree's rules), and they are never merged with a retrieval node of
+the same token (that would drop the node's q, or its presence would depend on its value:
+tests/test_hybrid.py plants that merge and the distribution test catches it). Greedy or
+`sample=false` model drafts are deterministic, so they merge on shared prefixes like retrieval.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ..budget import AcceptanceTracker
+from ..checks import check_int
+from ..draft import Draft
+from .base import DraftContext, DraftCost, Drafter, drafter_class, drafter_options, register_drafter
+
+RETRIEVAL_SOURCES = ("suffix", "pld", "rest")  # drafters whose proposals are deterministic and nearly free
+NOT_A_MODEL = ("hybrid", "auto")  # drafters that cannot be the hybrid's model drafter
+
+
+def sub_drafter_options(name: str, raw: str | dict | None) -> dict:
+    """A source's options: a dict (the API: any values, e.g. a loaded `draft_target`) or one string
+    of KEY=VALUE pairs separated by commas or semicolons (the CLI: `model_options=draft_model=x,gamma=3`;
+    a bench method, whose list is comma-separated: `hybrid:model_options=gamma=3;tree=true`; a piece
+    without `=` continues the previous value, so list values keep their commas), parsed like
+    `--drafter-arg`s of that drafter."""
+    if raw is None or raw == "":
+        return {}
+    if isinstance(raw, dict):
+        return dict(raw)
+    if not isinstance(raw, str):
+        raise ValueError(f"{name} options must be KEY=VALUE,... or a dict, got {raw!r}")
+    pairs: list[str] = []
+    for piece in re.split("[,;]", raw):
+        if "=" in piece or not pairs:
+            pairs.append(piece)
+        else:
+            pairs[-1] += "," + piece
+    return drafter_options(name, pairs)
+
+
+@dataclass
+class CandidateNode:
+    token: int
+    parent: int  # trie index of the parent, -1 = the root
+    depth: int
+    sources: list[int]  # indices of the sources that proposed it, first = the one it is credited to
+    score: float  # the best of its sources' path scores at its depth (pre-draft information)
+    row: torch.Tensor | None = None  # [V] q it was sampled from; None = deterministic
+
+
+@dataclass
+class CandidateTrie:
+    """The step's candidates over token paths: deterministic drafts merge on shared prefixes, a
+    sampled draft's nodes are appended as they are (never merged: see the module docstring)."""
+
+    nodes: list[CandidateNode] = field(default_factory=list)
+    index: dict[tuple[int, int], int] = field(default_factory=dict)  # (parent, token) -> deterministic node
+
+    def add(self, draft: Draft, source: int, depth_scores: list[float]) -> list[int]:
+        """Insert `draft`'s nodes credited to `source` (scores by depth); returns their trie indices."""
+        sampled = draft.draft_probs is not None
+        placed: list[int] = []
+        for node, (token, parent) in enumerate(zip(draft.tokens.tolist(), draft.parents.tolist())):
+            parent = -1 if parent < 0 else placed[parent]
+            depth = 1 if parent < 0 else self.nodes[parent].depth + 1
+            score = depth_scores[depth - 1]
+            found = None if sampled else self.index.get((parent, token))
+            if found is None:
+                found = len(self.nodes)
+                self.nodes.append(CandidateNode(token, parent, depth, [source], score,
+                                                draft.draft_probs[node] if sampled else None))
+                if not sampled:
+                    self.index[(parent, token)] = found
+            else:
+                merged = self.nodes[found]
+                merged.sources.append(source)
+                merged.score = max(merged.score, score)
+            placed.append(found)
+        return placed
+
+    def to_draft(self, kept: set[int], names: list[str]) -> tuple[Draft, list[int]]:
+        """The kept nodes as one Draft, and the trie node of each draft node: deterministic nodes best
+        first (score, then depth: parents before children, siblings best first), then the sampled
+        nodes in their drafter's order."""
+        fixed = sorted((n for n in kept if self.nodes[n].row is None),
+                       key=lambda n: (-self.nodes[n].score, self.nodes[n].depth, n))
+        order = fixed + sorted(n for n in kept if self.nodes[n].row is not None)
+        position = {node: i for i, node in enumerate(order)}
+        chosen = [self.nodes[n] for n in order]
+        parents = [-1 if node.parent < 0 else position[node.parent] for node in chosen]
+        rows = [node.row for node in chosen if node.row is not None]
+        draft_probs = None
+        if rows:  # a mixed tree: deterministic nodes carry one-hot rows (the same rule as draft_probs None)
+            draft_probs = torch.zeros(len(chosen), rows[0].shape[-1], dtype=rows[0].dtype)  # [N, V]
+            for i, node in enumerate(chosen):
+                if node.row is None:
+                    draft_probs[i, node.token] = 1.0
+                else:
+                    draft_probs[i] = node.row
+        credited = tuple(names[node.sources[0]] for node in chosen)
+        draft = Draft(torch.tensor([node.token for node in chosen], dtype=torch.long),
+                      torch.tensor(parents, dtype=torch.long), draft_probs, sources=credited)
+        return draft, order
+
+
+@register_drafter
+class HybridDrafter(Drafter):
+    """One tree per step from retrieval sources and an optional model drafter (module docstring).
+
+    Options:
+        sources: retrieval drafters (suffix, pld, rest) separated by `,` or `+` (`+` in a bench
+            method list), tried in this order (a node several propose is credited to the first);
+            empty: the model alone.
+        model: a model drafter's name (small-model, eagle3, dspark, ...), or (API) one already
+            built; empty: retrieval only.
+        suffix_options / pld_options / rest_options / model_options: that drafter's options,
+            KEY=VALUE pairs separated by `,` or `;` (rest needs datastore=DIR), or a dict (API).
+            A source drafts at most its own block (`gamma`) per step.
+        gamma: draft nodes per step when no cost model decides.
+        model_per_token: a model-drafted token's price in target steps (default: the model
+            drafter's own `cost.per_token`); a model slot enters only when its estimated path
+            acceptance exceeds it.
+    """
+
+    name = "hybrid"
+    cost = DraftCost(block=8, trees=True)
+
+    def __init__(self, target=None, sources: str = "suffix,pld", model: str = "", gamma: int = 8,
+                 suffix_options: str | dict | None = None, pld_options: str | dict | None = None,
+                 rest_options: str | dict | None = None, model_options: str | dict | None = None,
+                 model_per_token: float | None = None):
+        if not isinstance(sources, str):
+            raise ValueError(f"sources must be drafter names separated by ',' or '+', got {sources!r}")
+        names = [name.strip() for name in re.split("[,+]", sources) if name.strip()]
+        unknown = [name for name in names if name not in RETRIEVAL_SOURCES]
+        if unknown or len(set(names)) != len(names):
+            raise ValueError(f"sources must be distinct names among {', '.join(RETRIEVAL_SOURCES)}, got {sources!r}")
+        built = model if isinstance(model, Drafter) else None  # the API: a model drafter already built (shared weights)
+        if built is not None and model_options:
+            raise ValueError("model_options go with a model drafter's name, not with a built model drafter")
+        model = built.name if built is not None else model
+        if not isinstance(model, str) or model in NOT_A_MODEL or model in RETRIEVAL_SOURCES:
+            raise ValueError(f"model must be a model drafter's name (small-model, eagle3, dspark, ...), got {model!r}")
+        if not names and not model:
+            raise ValueError("the hybrid drafter needs at least one source or a model")
+        if model_options and not model:
+            raise ValueError("model_options given without a model")
+        given = {"suffix": suffix_options, "pld": pld_options, "rest": rest_options}
+        for name, raw in given.items():
+            if raw and name not in names:
+                raise ValueError(f"{name}_options given but {name} is not among the sources {names}")
+        self.retrieval = [drafter_class(name)(target=target, **sub_drafter_options(name, given[name])) for name in names]
+        if built is None and model:
+            built = drafter_class(model)(target=target, **sub_drafter_options(model, model_options))
+        self.model = built
+        self.source_names = names + ([model] if model else [])
+        if model_per_token is None:
+            model_per_token = self.model.cost.per_token if self.model is not None else 0.0
+        if isinstance(model_per_token, bool) or not isinstance(model_per_token, (int, float)) or not model_per_token >= 0:
+            raise ValueError(f"model_per_token must be a number >= 0 (target steps), got {model_per_token!r}")
+        self.model_per_token = float(model_per_token)
+        self.hidden_layers = tuple(self.model.hidden_layers) if self.model is not None else ()
+        self.wants_node_logits = any(d.wants_node_logits for d in self._parts())
+        # the prior of the auto policy's draft-cost measurement: the model's price when there is one
+        self.cost = DraftCost(block=check_int("gamma", gamma, 1, 1024), per_token=self.model_per_token, trees=True)
+        self._reset()
+
+    def _parts(self) -> list[Drafter]:
+        return self.retrieval + ([self.model] if self.model is not None else [])
+
+    def _reset(self) -> None:
+        # fresh objects (never cleared in place): for_sequence() copies share attributes until begin()
+        self.trackers = [AcceptanceTracker() for _ in self.source_names]
+        self.last_step: tuple[CandidateTrie, list[int]] | None = None  # (trie, the trie node of each draft node)
+
+    def for_sequence(self) -> HybridDrafter:
+        fresh = copy.copy(self)
+        fresh.retrieval = [drafter.for_sequence() for drafter in self.retrieval]
+        fresh.model = None if self.model is None else self.model.for_sequence()
+        fresh._reset()
+        return fresh
+
+    def begin(self, prompt_ids: list[int], target) -> None:
+        self._reset()
+        for drafter in self._parts():
+            drafter.begin(prompt_ids, target)
+
+    def on_verified(self, result, ctx: DraftContext) -> None:
+        self._learn(result)
+        for drafter in self._parts():
+            drafter.on_verified(result, ctx)
+
+    def on_finished(self, result, ctx: DraftContext) -> None:
+        for drafter in self._parts():
+            drafter.on_finished(result, ctx)
+
+    # ------------------------------------------------------------------ drafting
+    def propose(self, ctx: DraftContext, budget: int) -> Draft:
+        if budget <= 0:
+            return Draft.empty()
+        trie = CandidateTrie()
+        for source, drafter in enumerate(self.retrieval):
+            draft = drafter.propose(ctx, min(budget, drafter.cost.block))
+            trie.add(draft, source, self.trackers[source].path_scores(budget))
+        kept, model_nodes = self._allocate(trie, budget)
+        if model_nodes:
+            model = len(self.retrieval)
+            draft = self.model.propose(ctx, model_nodes)
+            kept.update(trie.add(draft, model, self.trackers[model].path_scores(model_nodes)))
+        draft, order = trie.to_draft(kept, self.source_names)
+        self.last_step = (trie, order)
+        return draft
+
+    def _allocate(self, trie: CandidateTrie, budget: int) -> tuple[set[int], int]:
+        """(the retrieval nodes kept, the model's node budget): the `budget` best of the retrieval
+        nodes and the model's paying chain slots (at most its block) by pre-draft score (ties: shallower first, then
+        retrieval). Scores never rise along a path, so the kept nodes include their ancestors."""
+        ranked = [(-node.score, node.depth, 0, index) for index, node in enumerate(trie.nodes)]
+        if self.model is not None:
+            model_scores = self.trackers[len(self.retrieval)].path_scores(min(budget, self.model.cost.block))
+            ranked += [(-score, depth, 1, depth) for depth, score in enumerate(model_scores, start=1)
+                       if score > self.model_per_token]
+        chosen = sorted(ranked)[:budget]
+        return {index for _, _, kind, index in chosen if kind == 0}, sum(kind for _, _, kind, _ in chosen)
+
+    def _learn(self, result) -> None:
+        """Each source's tracker learns from the last step as a chain would: the deepest node it
+        proposed, and how far the accepted path ran through its nodes (they hang from the root)."""
+        if self.last_step is None:
+            return
+        trie, order = self.last_step
+        self.last_step = None
+        path = [trie.nodes[order[node]] for node in result.path]
+        for source, tracker in enumerate(self.trackers):
+            depths = [trie.nodes[n].depth for n in order if source in trie.nodes[n].sources]
+            if not depths:
+                continue
+            accepted = 0
+            while accepted < len(path) and source in path[accepted].sources:
+                accepted += 1
+            tracker.update(max(depths), accepted)

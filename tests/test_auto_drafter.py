@@ -1,0 +1,90 @@
+"""`--drafter auto`: the method is picked per step from earlier steps' measured earnings; greedy
+equals plain on SmolLM2 (alone and batched), sampling keeps the target's distribution, and the
+stats say which method drafted what."""
+
+import pytest
+from test_hybrid import markov_pair  # noqa: F401  (the fixture)
+from test_model_drafters import PROMPTS, _drafted_pair_pvalue
+from test_ngram_drafters import copy_prompts
+from test_sampled_tree import FIRST, LEAD_IN
+
+from specdec import generate, generate_batch, make_drafter
+from specdec.drafters import drafter_options
+from specdec.drafters.auto import AutoDrafter
+from specdec.stats import SpecStats
+
+MAX_NEW = 24
+
+
+def test_choice_follows_the_measured_rates_and_explores_the_stalest_arm():
+    auto = AutoDrafter(None, methods="pld,suffix", warmup=2, explore_every=4)
+    assert [arm.name for arm in auto.arms] == ["plain", "pld", "suffix"]
+    picks = []
+    for step in range(6):  # warm-up: each arm `warmup` steps, plain first
+        auto.step = step
+        picks.append(auto.choose().name)
+    assert picks == ["plain", "plain", "pld", "pld", "suffix", "suffix"]
+    rates = {"plain": (10.0, 100.0), "pld": (30.0, 110.0), "suffix": (12.0, 100.0)}  # (tokens, ms)
+    for step, arm in enumerate(auto.arms):
+        arm.tokens, arm.ms = rates[arm.name]
+        arm.last_run = 5 - step
+    auto.step = 7
+    assert auto.choose().name == "pld"  # 0.27 tokens/ms beats 0.12 and 0.1
+    auto.step = 8  # an exploring step: the arm run longest ago
+    assert auto.choose().name == "suffix"
+
+
+def test_options_and_bad_input():
+    options = drafter_options("auto", ["methods=suffix+hybrid", "model=small-model", "model-options=gamma=3", "warmup=1"])
+    assert options == {"methods": "suffix+hybrid", "model": "small-model", "model_options": "gamma=3", "warmup": 1}
+    for bad, message in (({"methods": "pld,pld"}, "distinct"), ({"methods": "auto"}, "not auto"), ({"methods": "plain"}, "not auto"),
+                         ({"model_options": "gamma=2"}, "without a model"), ({"decay": 0.0}, "decay"),
+                         ({"explore_every": 1}, "explore_every"), ({"methods": "nope"}, "unknown drafter")):
+        with pytest.raises(ValueError, match=message):
+            make_drafter("auto", None, **bad)
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16():
+    from specdec import load_target
+
+    return load_target("smollm2-135m", dtype="bfloat16", progress=False)
+
+
+@pytest.mark.slow
+def test_greedy_equals_plain_and_the_stats_name_the_methods(smollm2, smollm2_bf16):
+    prompts = [*PROMPTS, *copy_prompts()[:2]]
+    plain = [generate(smollm2, prompt, None, max_new_tokens=MAX_NEW).tokens for prompt in prompts]
+    drafter = make_drafter("auto", smollm2, model="small-model", model_options={"draft_target": smollm2_bf16, "gamma": 3},
+                           warmup=1, explore_every=3)
+    alone = [generate(smollm2, prompt, drafter, max_new_tokens=MAX_NEW) for prompt in prompts]
+    assert [result.tokens for result in alone] == plain
+    assert [result.tokens for result in generate_batch(smollm2, prompts, drafter, max_new_tokens=MAX_NEW)] == plain
+    total = SpecStats.combine(result.stats for result in alone)
+    assert sum(total.accepted_by_source.values()) == total.accepted_tokens
+    methods = {name.split(":")[0] for name in total.drafted_by_source}
+    assert "small-model" in methods and len(methods) >= 2 and methods <= {"suffix", "pld", "hybrid", "small-model"}
+
+
+def test_sampling_keeps_the_target_distribution(markov_pair):  # noqa: F811
+    """The hybrid arm drafts first (a deterministic pld node beside a sampled model node), then
+    the model alone: tokens 2 and 3 follow the target's exact joint."""
+    target, draft = markov_pair
+    prompt = [FIRST + 0, FIRST + 1, *LEAD_IN[0]]
+    drafter = AutoDrafter(target, methods="hybrid,small-model,plain", model="small-model",
+                          model_options={"draft_target": draft}, warmup=1, explore_every=2)
+    assert [arm.name for arm in drafter.arms] == ["hybrid", "small-model", "plain"]
+    assert _drafted_pair_pvalue(target, drafter, prompt, runs=1500) > 1e-3
+
+
+def test_the_server_drafts_with_auto_unless_told_none(capsys, tmp_path, monkeypatch):
+    """`specdec serve` without --drafter takes auto's options (refused before any model loads);
+    --drafter none is plain decoding, which takes none."""
+    from specdec.cli import main
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # a load would create the model's cache entry here
+    assert main(["serve", "--drafter-arg", "warmup=zero", "--port", "0"]) == 2
+    assert "warmup of auto must be int" in capsys.readouterr().err
+    assert main(["serve", "--drafter", "none", "--drafter-arg", "gamma=2", "--port", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "specdec: error: --drafter-arg needs a drafter (--drafter none is plain decoding)"
+    assert list(tmp_path.iterdir()) == []

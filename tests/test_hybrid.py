@@ -1,0 +1,181 @@
+"""The `hybrid` drafter: retrieval candidates and a model drafter merged into one tree.
+
+Greedy equals plain on SmolLM2 (alone and batched) with every source's nodes accepted somewhere;
+at temperature 1 the mixed tree (a deterministic pld node beside a sampled draft-model node) keeps
+the target's distribution through the real loop, and a planted wrong merge (a sampled node merged
+into the retrieval node of the same token, losing its q) fails the same test."""
+
+import pytest
+import torch
+from test_model_drafters import PROMPTS, _drafted_pair_pvalue
+from test_ngram_drafters import copy_prompts
+from test_sampled_tree import DRAFT_PROBS, FIRST, LEAD_IN, TARGET_PROBS, make_markov_llama
+
+from specdec import SamplingParams, generate, generate_batch, make_drafter
+from specdec.draft import Draft
+from specdec.drafters import drafter_option_names, drafter_options
+from specdec.drafters.hybrid import CandidateTrie, HybridDrafter, sub_drafter_options
+from specdec.stats import SpecStats
+
+MAX_NEW = 24
+
+
+# ---------------------------------------------------------------------------- the merge
+def test_deterministic_drafts_merge_on_shared_prefixes_and_sampled_nodes_stay_apart():
+    trie = CandidateTrie()
+    first = trie.add(Draft.chain([5, 6, 7]), 0, [0.9, 0.8, 0.7])
+    second = trie.add(Draft([5, 6, 9, 2], [-1, 0, 1, -1]), 1, [0.95, 0.5, 0.4])
+    assert second[:2] == first[:2] and len(trie.nodes) == 5  # 5 -> 6 shared, 9 and 2 new
+    assert trie.nodes[first[0]].sources == [0, 1] and trie.nodes[first[0]].score == 0.95
+    q = torch.tensor([[0.1, 0.2, 0.3, 0.1, 0.1, 0.2, 0.0, 0.0, 0.0, 0.0]])  # [1, V]: token 5 drawn from q
+    sampled = trie.add(Draft.chain([5], q), 2, [0.99])
+    assert sampled[0] == 5 and torch.equal(trie.nodes[5].row, q[0])  # not merged into the deterministic 5
+    draft, order = trie.to_draft({*first, *second, *sampled}, ["pld", "suffix", "small-model"])
+    assert draft.tokens.tolist() == [5, 2, 6, 7, 9, 5] and draft.parents.tolist() == [-1, -1, 0, 2, 2, -1]
+    assert draft.sources == ("pld", "suffix", "pld", "pld", "suffix", "small-model")
+    assert order == [0, 4, 1, 2, 3, 5]
+    # a mixed tree: deterministic nodes carry one-hot rows, the sampled node its q
+    assert torch.equal(draft.draft_probs[:5], torch.nn.functional.one_hot(draft.tokens[:5], 10).float())
+    assert torch.equal(draft.draft_probs[5], q[0])
+    assert draft.prefix(2).sources == ("pld", "suffix")
+
+
+def test_per_source_stats_count_merge_and_serialise():
+    stats = SpecStats()
+    stats.record_sources(("pld", "suffix", "pld"), [0, 2])
+    other = SpecStats()
+    other.record_sources(("small-model",), [])
+    stats.merge(other)
+    assert stats.drafted_by_source == {"pld": 2, "suffix": 1, "small-model": 1}
+    assert stats.accepted_by_source == {"pld": 2}
+    assert SpecStats.from_dict(stats.to_dict()).drafted_by_source == stats.drafted_by_source
+    assert "pld 2/2, small-model 0/1, suffix 0/1" in stats.summary_table()
+
+
+# ---------------------------------------------------------------------------- options
+def test_options_are_introspectable_and_parsed_like_drafter_args():
+    names = drafter_option_names(HybridDrafter)
+    assert {"sources", "model", "model_options", "rest_options", "model_per_token", "gamma"} <= set(names)
+    options = drafter_options("hybrid", ["sources=suffix,pld", "model=small-model",
+                                         "model-options=draft_model=smollm2-135m,gamma=3,tree=true", "model-per-token=0.2"])
+    assert options == {"sources": "suffix,pld", "model": "small-model", "model_per_token": 0.2,
+                       "model_options": "draft_model=smollm2-135m,gamma=3,tree=true"}
+    assert sub_drafter_options("small-model", options["model_options"]) == {"draft_model": "smollm2-135m", "gamma": 3,
+                                                                            "tree": True}
+    assert sub_drafter_options("suffix", "max_depth=3;tree=false") == {"max_depth": 3, "tree": False}  # a bench method's form
+    assert make_drafter("hybrid", None, sources="pld+suffix").source_names == ["pld", "suffix"]
+    with pytest.raises(ValueError, match="small-model takes KEY=VALUE"):
+        sub_drafter_options("small-model", "no_such_option=1")
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"sources": "suffix,lookahead"}, "sources must be distinct names among suffix, pld, rest"),
+    ({"sources": "pld,pld"}, "sources must be distinct"),
+    ({"sources": "", "model": ""}, "at least one source or a model"),
+    ({"model": "pld"}, "model must be a model drafter"),
+    ({"model": "hybrid"}, "model must be a model drafter"),
+    ({"sources": "pld", "suffix_options": "max_depth=3"}, "suffix_options given but suffix is not among"),
+    ({"model_options": "gamma=3"}, "model_options given without a model"),
+    ({"pld_options": "min_ngram=9"}, "min_ngram"),
+    ({"model_per_token": -1.0}, "model_per_token must be a number >= 0"),
+])
+def test_bad_options_are_clear_errors(options, message):
+    with pytest.raises(ValueError, match=message):
+        make_drafter("hybrid", None, **options)
+
+
+# ---------------------------------------------------------------------------- greedy exactness
+@pytest.fixture(scope="module")
+def smollm2_bf16():
+    from specdec import load_target
+
+    return load_target("smollm2-135m", dtype="bfloat16", progress=False)
+
+
+@pytest.mark.slow
+def test_greedy_equals_plain_and_every_source_is_credited(smollm2, smollm2_bf16):
+    prompts = [*PROMPTS, *copy_prompts()[:2]]  # the copy prompts: retrieval finds the drafts
+    plain = [generate(smollm2, prompt, None, max_new_tokens=MAX_NEW).tokens for prompt in prompts]
+    drafter = make_drafter("hybrid", smollm2, sources="suffix,pld", model="small-model",
+                           model_options={"draft_target": smollm2_bf16, "gamma": 3}, model_per_token=0.0)
+    alone = [generate(smollm2, prompt, drafter, max_new_tokens=MAX_NEW) for prompt in prompts]
+    assert [result.tokens for result in alone] == plain
+    batched = generate_batch(smollm2, prompts, drafter, max_new_tokens=MAX_NEW)
+    assert [result.tokens for result in batched] == plain
+    total = SpecStats.combine(result.stats for result in alone)
+    assert sum(total.accepted_by_source.values()) == total.accepted_tokens
+    assert sum(total.drafted_by_source.values()) == total.drafted_tokens
+    assert total.accepted_by_source.get("small-model", 0) > 0 and total.accepted_by_source.get("suffix", 0) > 0
+    # retrieval alone (no model) is exact too
+    retrieval = make_drafter("hybrid", smollm2, sources="pld,suffix")
+    assert generate(smollm2, prompts[3], retrieval, max_new_tokens=MAX_NEW).tokens == plain[3]
+
+
+# ---------------------------------------------------------------------------- sampling is lossless
+@pytest.fixture(scope="module")
+def markov_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid_markov")
+    return make_markov_llama(root / "target", TARGET_PROBS), make_markov_llama(root / "draft", DRAFT_PROBS)
+
+
+def merge_sampled_nodes_too(monkeypatch) -> None:
+    """WRONG on purpose: a sampled node whose token a retrieval node already proposed is merged
+    into it (its q is dropped), the other sampled nodes keep their rows: whether a sampled
+    candidate is tried now depends on its own value, so its row is no longer what it was drawn from."""
+    add = CandidateTrie.add
+
+    def merging_add(trie, draft, source, depth_scores):
+        if draft.draft_probs is None:
+            return add(trie, draft, source, depth_scores)
+        placed = []
+        for node, (token, parent) in enumerate(zip(draft.tokens.tolist(), draft.parents.tolist())):
+            parent = -1 if parent < 0 else placed[parent]
+            found = trie.index.get((parent, token))
+            if found is None:
+                one = Draft(draft.tokens[node : node + 1], [-1], draft.draft_probs[node : node + 1])
+                found = add(trie, one, source, depth_scores)[0]
+                trie.nodes[found].parent = parent
+                trie.nodes[found].depth = 1 if parent < 0 else trie.nodes[parent].depth + 1
+            placed.append(found)
+        return placed
+
+    monkeypatch.setattr(CandidateTrie, "add", merging_add)
+
+
+def test_mixed_tree_keeps_the_target_distribution_and_a_wrong_merge_fails(markov_pair, monkeypatch):
+    """The first draft after crafted token 0 (budget 2): pld's copy of crafted token 1 (q 0.6 but
+    p 0.1: usually rejected) beside one node the draft model samples from q. Tokens 2 and 3 of the
+    output are compared with the target's exact joint (test_model_drafters' chi-square test)."""
+    target, draft = markov_pair
+    prompt = [FIRST + 0, FIRST + 1, *LEAD_IN[0]]  # "0 1" earlier, then the lead-in to crafted 0: pld proposes 1
+    drafter = HybridDrafter(target, sources="pld", pld_options="min_ngram=1,max_ngram=1,gamma=1", model="small-model",
+                            model_options={"draft_target": draft}, model_per_token=0.0)
+    first = generate(target, prompt, drafter, max_new_tokens=4, gamma=2, sampling=SamplingParams(temperature=1.0, seed=0))
+    assert first.stats.drafted_by_source["pld"] >= 1 and first.stats.drafted_by_source["small-model"] >= 1
+    assert _drafted_pair_pvalue(target, drafter, prompt, runs=1500) > 1e-3
+    merge_sampled_nodes_too(monkeypatch)
+    assert _drafted_pair_pvalue(target, drafter, prompt, runs=1500) < 1e-6
+
+
+# ---------------------------------------------------------------------------- trained-head models
+@pytest.mark.parametrize("kind", ["eagle3", "dspark"])
+def test_a_head_drafter_as_the_model(tiny_target, kind):
+    """EAGLE-3 (target hidden layers handed over by the verify forward) and DSpark (a block drafter
+    with confidences) as the hybrid's model: greedy equals plain, sampling runs, nodes are credited."""
+    from test_head_drafter import MODULES, RANKED, random_module
+
+    from specdec.drafters import registered_drafters
+    from specdec.heads import HEAD_TYPES
+
+    name = HEAD_TYPES[kind].drafter
+    options = {} if kind == "eagle3" else {"draft_vocab": 40}
+    model = registered_drafters()[name].from_module(tiny_target, random_module(kind, tiny_target), draft_vocab_ids=RANKED,
+                                                     **options)
+    drafter = HybridDrafter(tiny_target, sources="suffix,pld", model=model, model_per_token=0.0)
+    assert drafter.hidden_layers == model.hidden_layers and MODULES[kind]
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    plain = generate(tiny_target, prompt, None, max_new_tokens=16).tokens
+    result = generate(tiny_target, prompt, drafter, max_new_tokens=16)
+    assert result.tokens == plain and result.stats.drafted_by_source.get(name, 0) > 0
+    sampled = generate(tiny_target, prompt, drafter, max_new_tokens=16, sampling=SamplingParams(temperature=1.0, seed=2))
+    assert sampled.stats.drafted_by_source.get(name, 0) > 0
