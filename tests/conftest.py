@@ -116,3 +116,19 @@ def smollm2():
     from specdec import load_target
 
     return load_target("smollm2-135m", progress=False)
+
+
+# The tiny "counter" target the training and head-drafter tests share (tests/train_support.py);
+# one per test module, as each module's own fixture was.
+@pytest.fixture(scope="module")
+def counter(tmp_path_factory):
+    from train_support import make_counter_target
+
+    return make_counter_target(tmp_path_factory.mktemp("counter") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def counter_data(counter, tmp_path_factory):
+    from train_support import counter_selfdistill_data
+
+    return counter_selfdistill_data(counter, tmp_path_factory.mktemp("counter_data") / "data")

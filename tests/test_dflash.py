@@ -15,7 +15,7 @@ import torch
 from conftest import assert_close_to_scale
 from safetensors.torch import load_file
 from test_eagle import WrongQ
-from train_support import counter_selfdistill_data, first_proposal, make_counter_target, token_marginal_pvalues
+from train_support import counter_selfdistill_data, first_proposal, token_marginal_pvalues
 
 from specdec import SamplingParams, generate
 from specdec.api import generate_batch
@@ -26,11 +26,6 @@ from specdec.heads.export import export_dflash, load_dflash_export
 from specdec.train import TrainSettings, build_heads, load_samples, train
 
 BLOCK = 5  # the anchor + 4 drafted tokens on the counter
-
-
-@pytest.fixture(scope="module")
-def counter(tmp_path_factory):
-    return make_counter_target(tmp_path_factory.mktemp("counter") / "model", seed=0)
 
 
 @pytest.fixture(scope="module")

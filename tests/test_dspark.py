@@ -10,7 +10,7 @@ import torch
 from conftest import assert_close_to_scale
 from safetensors.torch import load_file
 from test_eagle import WrongQ
-from train_support import counter_selfdistill_data, first_proposal, make_counter_target, token_marginal_pvalues
+from train_support import counter_selfdistill_data, first_proposal, token_marginal_pvalues
 
 from specdec import SamplingParams, generate
 from specdec.api import generate_batch
@@ -199,11 +199,6 @@ def test_sequential_temperature_scaling_lowers_the_ece_of_a_miscalibrated_head()
 
 # ----------------------------------------------------------------------------- on a DFlash backbone
 BLOCK = 4  # DSpark drafts all BLOCK rows (the anchor row is the first prediction)
-
-
-@pytest.fixture(scope="module")
-def counter(tmp_path_factory):
-    return make_counter_target(tmp_path_factory.mktemp("counter") / "model", seed=0)
 
 
 @pytest.fixture(scope="module")

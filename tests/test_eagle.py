@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_support import counter_selfdistill_data, first_proposal, make_counter_target, token_marginal_pvalues
+from train_support import counter_selfdistill_data, first_proposal, token_marginal_pvalues
 
 from specdec import SamplingParams, generate
 from specdec.api import generate_batch
@@ -26,11 +26,6 @@ from specdec.train.batches import chain_starts, label_rows, make_batch
 
 DRAFTERS = {"eagle1": Eagle1Drafter, "eagle3": Eagle3Drafter}
 DRAFT_VOCAB = 16  # EAGLE-3's reduced vocabulary on the 24-token counter
-
-
-@pytest.fixture(scope="module")
-def counter(tmp_path_factory):
-    return make_counter_target(tmp_path_factory.mktemp("counter") / "model", seed=0)
 
 
 @pytest.fixture(scope="module")

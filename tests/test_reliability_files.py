@@ -29,15 +29,10 @@ from specdec.train.data import DataSettings, build_dataset, load_samples
 from specdec.train.prompts import PromptSupply
 
 from test_registry import LocalParts, tiny_gguf  # noqa: F401  (tiny_gguf: a fixture)
-from train_support import make_counter_target, text_prompts
+from train_support import text_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = lambda _: None  # noqa: E731
-
-
-@pytest.fixture(scope="module")
-def counter(tmp_path_factory):
-    return make_counter_target(tmp_path_factory.mktemp("counter") / "model", seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,7 @@ import json
 import pytest
 import torch
 from conftest import assert_close_to_scale
-from train_support import (AGREEMENT_LIMIT, counter_selfdistill_data, first_proposal, make_counter_target,
-                           token_marginal_pvalues)
+from train_support import AGREEMENT_LIMIT, first_proposal, make_counter_target, token_marginal_pvalues
 
 from specdec import SamplingParams, generate
 from specdec.drafters.medusa import MedusaDrafter, best_first_choices
@@ -25,16 +24,6 @@ HEAD_SETUPS = {  # kind -> (head positions, learning rate)
     "mtp-parallel": (3, 1e-3),
     "mtp-sequential": (3, 1e-3),
 }
-
-
-@pytest.fixture(scope="module")
-def counter(tmp_path_factory):
-    return make_counter_target(tmp_path_factory.mktemp("counter") / "model", seed=0)
-
-
-@pytest.fixture(scope="module")
-def counter_data(counter, tmp_path_factory):
-    return counter_selfdistill_data(counter, tmp_path_factory.mktemp("counter_data") / "data")
 
 
 @pytest.fixture(scope="module")

@@ -11,24 +11,13 @@ import pytest
 import torch
 from conftest import assert_close_to_scale, skip_without_kernel
 from safetensors.torch import load_file
-from train_support import (AGREEMENT_LIMIT, FIRST_CYCLE_TOKEN, FLOAT16_REL, VOCAB, counter_selfdistill_data,
-                           make_counter_target, text_prompts)
+from train_support import AGREEMENT_LIMIT, FIRST_CYCLE_TOKEN, FLOAT16_REL, VOCAB, text_prompts
 
 from specdec import generate
 from specdec import loop
 from specdec.heads import target_description
 from specdec.train import DataSettings, TrainSettings, build_dataset, build_heads, load_samples, train
 from specdec.train.prompts import FINITE_POOLS_MIX, SOURCES, mixed_prompts
-
-
-@pytest.fixture(scope="module")
-def counter(tmp_path_factory):
-    return make_counter_target(tmp_path_factory.mktemp("counter") / "model", seed=0)
-
-
-@pytest.fixture(scope="module")
-def counter_data(counter, tmp_path_factory):
-    return counter_selfdistill_data(counter, tmp_path_factory.mktemp("counter_data") / "data")
 
 
 # ---------------------------------------------------------------------------- prompts and self-distilled data
