@@ -2,11 +2,9 @@
 budget, one-line CLI errors, and crash safety (a server or a fetch killed half-way)."""
 
 import concurrent.futures
-import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +24,7 @@ from specdec.paths import cache_root
 from specdec.server import create_app
 
 from test_server import running_server
+from test_server_shutdown import free_port, serving
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2_WINDOW = 8192
@@ -235,34 +234,6 @@ def test_bad_drafter_options_name_the_option(capsys):
     assert code == 2 and "--drafter-arg" in line and "gamma" in line and "'abc'" in line
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _serve(cache_root: Path, port: int):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "specdec.cli", "serve", "--port", str(port), "--max-model-len", "512", "--log-level", "warning"],
-        cwd=REPO, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "SPECDEC_CACHE": str(cache_root)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert process.poll() is None, process.stderr.read()
-            assert time.monotonic() < deadline, "server did not start"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.3)
-        yield process
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait()
-
-
 def _half_written(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.name.endswith((".tmp", ".partial")) or ".tmp" in p.suffixes]
 
@@ -272,10 +243,10 @@ def test_server_killed_mid_stream_restarts_cleanly(tmp_path):
     entry = tmp_path / fetch_dir().relative_to(cache_root())  # models/v<converter>/smollm2-135m
     entry.parent.mkdir(parents=True)
     entry.symlink_to(fetch_dir())  # read-only use of the shared model
-    port = _free_port()
+    port = free_port()
     body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Write a long story about a boat."}],
             "max_tokens": 300, "stream": True}
-    with _serve(tmp_path, port) as server:
+    with serving(port=port, env={"SPECDEC_CACHE": str(tmp_path)}, max_model_len=512) as (server, _):
         with httpx.Client(timeout=120) as http, http.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
                                                             json=body) as stream:
             chunks = 0
@@ -286,7 +257,7 @@ def test_server_killed_mid_stream_restarts_cleanly(tmp_path):
                     break
         assert server.wait(30) == -signal.SIGKILL
     assert _half_written(tmp_path) == []
-    with _serve(tmp_path, port):
+    with serving(port=port, env={"SPECDEC_CACHE": str(tmp_path)}, max_model_len=512):
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
                             json={**body, "stream": False, "max_tokens": 8})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1

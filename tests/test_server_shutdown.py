@@ -20,21 +20,20 @@ REPO = Path(__file__).resolve().parents[1]
 EXIT_MARGIN_S = 10.0  # the step in progress, flushing the stream, uvicorn's 0.1 s polls, interpreter exit
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
 
 @contextlib.contextmanager
-def serving(*options: str):
+def serving(*options: str, port: int | None = None, env: dict | None = None, max_model_len: int = 2048):
     """`specdec serve` (the default model, SmolLM2) in a subprocess; yields (process, base URL) once healthy."""
-    port = _free_port()
+    port = port or free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "specdec.cli", "serve", "--port", str(port), "--max-model-len", "2048",
+        [sys.executable, "-m", "specdec.cli", "serve", "--port", str(port), "--max-model-len", str(max_model_len),
          "--log-level", "warning", *options],
-        cwd=REPO, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        text=True)
+        cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
