@@ -84,6 +84,97 @@ struct pairs_columns : std::false_type {};
 template <typename Fmt>
 struct pairs_columns<Fmt, std::void_t<decltype(Fmt::kPairColumns)>> : std::bool_constant<Fmt::kPairColumns> {};
 
+// K-quants: a super-block's update of the tile's outputs, one row at a time (the AVX2 build, and
+// 1-row tiles on the zmm build): `lanes` = each output's int32 lanes (8 per output), summed to ONE
+// integer total (any order gives the same integer); then acc = fma(float(total), d_w * dx, acc) and,
+// for Q4_K / Q5_K, acc = fnmadd(float(sum over sub-blocks of m * bsum), dmin * dx, acc), with 128-bit
+// ops over 4 columns (columns past NR are zero: d = dmin = 0). Row r's accumulators: a.saved +
+// r * row_floats, columns side by side.
+template <typename Fmt, int MR, int NR, typename Scales>
+void k_quant_update_rows(const __m256i (&lanes)[MR][4], const Scales (&scales)[NR], const TileArgs& a, int64_t kb, int64_t row_floats) {
+  auto d_of = [&](int c) { return c < NR ? scales[c].d : 0.0f; };
+  const __m128 d_cols = _mm_setr_ps(d_of(0), d_of(1), d_of(2), d_of(3));
+  [[maybe_unused]] __m256i m_cols[2];  // int16: columns 0, 1 | 2, 3
+  [[maybe_unused]] __m128 dmin_cols;
+  if constexpr (Fmt::kHasMin) {
+    auto m_of = [&](int c) { return c < NR ? _mm_load_si128((const __m128i*)scales[c].m) : _mm_setzero_si128(); };
+    auto dmin_of = [&](int c) { return c < NR ? scales[c].dmin : 0.0f; };
+    m_cols[0] = _mm256_set_m128i(m_of(1), m_of(0)), m_cols[1] = _mm256_set_m128i(m_of(3), m_of(2));
+    dmin_cols = _mm_setr_ps(dmin_of(0), dmin_of(1), dmin_of(2), dmin_of(3));
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    const A8Row row(a.xq + r * a.ldxq, a.K);
+    const __m128 dx = _mm_set1_ps(row.d[kb / Fmt::kA8Block]);
+    // hadd tree: lanes 0-3 of each half = the columns' partial sums, the halves added = totals
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[r][0], lanes[r][1]), _mm256_hadd_epi32(lanes[r][2], lanes[r][3]));
+    const __m128i totals = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    float* acc = a.saved + r * row_floats;  // the 4 columns' accumulators
+    __m128 sum = _mm_fmadd_ps(_mm_cvtepi32_ps(totals), _mm_mul_ps(d_cols, dx), _mm_loadu_ps(acc));
+    if constexpr (Fmt::kHasMin) {
+      const __m256i bsum = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(row.bsum + kb / kA8Sub)));
+      __m256i m = _mm256_hadd_epi32(_mm256_madd_epi16(m_cols[0], bsum), _mm256_madd_epi16(m_cols[1], bsum));
+      m = _mm256_hadd_epi32(m, m);  // low half: columns 0, 2, high half: 1, 3
+      const __m128i msum = _mm_unpacklo_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+      sum = _mm_fnmadd_ps(_mm_cvtepi32_ps(msum), _mm_mul_ps(dmin_cols, dx), sum);
+    }
+    _mm_storeu_ps(acc, sum);
+  }
+}
+
+#ifdef SG_A8_ZMM
+// per 128-bit chunk k: [the sum of chunk k's 4 lanes in i0, in i1, in i2, in i3] (exact integer adds)
+inline __m512i sum_chunks_of_each(__m512i i0, __m512i i1, __m512i i2, __m512i i3) {
+  const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(i0, i1), _mm512_unpackhi_epi32(i0, i1));
+  const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(i2, i3), _mm512_unpackhi_epi32(i2, i3));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+// chunk j = the sum of the 4 chunks of cj
+inline __m512i sum_over_chunks(__m512i c0, __m512i c1, __m512i c2, __m512i c3) {
+  const __m512i t01 = _mm512_add_epi32(_mm512_shuffle_i32x4(c0, c1, 0x44), _mm512_shuffle_i32x4(c0, c1, 0xee));
+  const __m512i t23 = _mm512_add_epi32(_mm512_shuffle_i32x4(c2, c3, 0x44), _mm512_shuffle_i32x4(c2, c3, 0xee));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(t01, t23, 0x88), _mm512_shuffle_i32x4(t01, t23, 0xdd));
+}
+
+// K-quants, zmm build, 2-4 rows: the same update for the tile's 4 x 4 outputs at once in one zmm,
+// lane 4r + c (row r, column c; a 1-row tile's lanes are those of k_quant_update_rows), the
+// accumulators in a.saved[0, 16). Each output's 16 int32 lanes become its total by one
+// transpose-and-add tree for all outputs, and each lane takes the same float steps on the same
+// values as in k_quant_update_rows. Rows past MR and columns past NR are zero lanes.
+template <typename Fmt, int MR, int NR, typename Scales>
+void k_quant_update16(const __m512i (&isum2)[MR][NR], const Scales (&scales)[NR], const TileArgs& a, int64_t kb) {
+  const __m512i zero = _mm512_setzero_si512();
+  auto isum = [&](int r, int c) { return c < NR ? isum2[r][c] : zero; };
+  __m512i per_row[4];  // chunk k, lane c: row r's chunk-k partial total of column c
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) per_row[r] = r < MR ? sum_chunks_of_each(isum(r, 0), isum(r, 1), isum(r, 2), isum(r, 3)) : zero;
+  const __m512i totals = sum_over_chunks(per_row[0], per_row[1], per_row[2], per_row[3]);
+  auto columns = [&](auto value_of) {  // lane c of every chunk = value_of(c), 0 past NR
+    return _mm512_broadcast_f32x4(_mm_setr_ps(value_of(0), value_of(1), value_of(2), value_of(3)));
+  };
+  auto dx_of = [&](int r) { return r < MR ? A8Row(a.xq + r * a.ldxq, a.K).d[kb / Fmt::kA8Block] : 0.0f; };
+  const __m512i chunk_of_lane = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512 dx = _mm512_permutexvar_ps(chunk_of_lane, _mm512_castps128_ps512(_mm_setr_ps(dx_of(0), dx_of(1), dx_of(2), dx_of(3))));
+  const __m512 d_w = columns([&](int c) { return c < NR ? scales[c].d : 0.0f; });
+  __m512 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(totals), _mm512_mul_ps(d_w, dx), _mm512_loadu_ps(a.saved));
+  if constexpr (Fmt::kHasMin) {
+    auto bsum_of = [&](int r) {
+      return r < MR ? _mm_loadu_si128((const __m128i*)(A8Row(a.xq + r * a.ldxq, a.K).bsum + kb / kA8Sub)) : _mm_setzero_si128();
+    };
+    const __m512i bsums = _mm512_inserti32x4(  // chunk r: row r's 8 activation sums (int16)
+        _mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(bsum_of(0)), bsum_of(1), 1), bsum_of(2), 2), bsum_of(3), 3);
+    __m512i per_column[4];  // chunk r: row r's m . bsum of column c in 4 partial sums (int16 pairs)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c)
+      per_column[c] = c < NR ? _mm512_madd_epi16(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)scales[c].m)), bsums) : zero;
+    const __m512i min_totals = sum_chunks_of_each(per_column[0], per_column[1], per_column[2], per_column[3]);  // lane 4r + c
+    const __m512 dmin_w = columns([&](int c) { return c < NR ? scales[c].dmin : 0.0f; });
+    acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(min_totals), _mm512_mul_ps(dmin_w, dx), acc);
+  }
+  _mm512_storeu_ps(a.saved, acc);
+}
+#endif
+
 // The float accumulators live in a.saved (32-weight formats: 8 lanes + the min-term sum per output;
 // K-quants: one float per output, touched once per 256 weights): keeping them out of registers
 // leaves room for the integer sums.
@@ -103,6 +194,9 @@ void a8_tile(const TileArgs& a) {
 #pragma GCC unroll 8
       for (int c = 0; c < NR; ++c) _mm256_storeu_ps(acc_of(r, c), _mm256_setzero_ps());
     }
+#ifdef SG_A8_ZMM
+    _mm512_storeu_ps(saved, _mm512_setzero_ps());  // K-quants, 2-4 rows: the 16 lanes of k_quant_update16
+#endif
   }
   constexpr int kSubs = Fmt::kBlock / kA8Sub;
   // 32-weight formats: the float accumulators are updated every 32 weights, so they stay in
@@ -229,15 +323,19 @@ void a8_tile(const TileArgs& a) {
         // Columns outer, rows inner (x re-read from L1): MR * NR sums + one column's weights and
         // scales stay in the 32 registers, where all NR columns' would spill
         const uint8_t* xq = a.xq + kb + 4 * kA8Sub * quad;
-        __m512i offset16[MR];  // kZmmOffset * (x sums per 4), packed as the products: (q - offset) . x = q . x - this
-        if constexpr (Fmt::kZmmOffset != 0) {
+        // where the dot products start: 0, or -kZmmOffset * (x sums per 4) so that each int32 lane is
+        // (q - offset) . x exactly (|.| <= 4 * 32 * 127: the packs below do not saturate)
+        __m512i start[MR][2];
 #pragma GCC unroll 8
-          for (int r = 0; r < MR; ++r) {
-            const __m512i offset = _mm512_set1_epi8(Fmt::kZmmOffset);
-            offset16[r] = _mm512_packs_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, _mm512_loadu_si512((const void*)(xq + r * a.ldxq))),
-                                             _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, _mm512_loadu_si512((const void*)(xq + r * a.ldxq + 64))));
+        for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
+          for (int half = 0; half < 2; ++half) {
+            start[r][half] = _mm512_setzero_si512();
+            if constexpr (Fmt::kZmmOffset != 0) {
+              const __m512i x = _mm512_loadu_si512((const void*)(xq + r * a.ldxq + 64 * half));
+              start[r][half] = _mm512_sub_epi32(start[r][half], _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(Fmt::kZmmOffset), x));
+            }
           }
-        }
         const __m512i scale_index = quad_scale_index(quad, Fmt::kA8ScalePer16);
 #pragma GCC unroll 8
         for (int c = 0; c < NR; ++c) {
@@ -248,12 +346,19 @@ void a8_tile(const TileArgs& a) {
           for (int r = 0; r < MR; ++r) {
             const __m512i x0 = _mm512_loadu_si512((const void*)(xq + r * a.ldxq));
             const __m512i x1 = _mm512_loadu_si512((const void*)(xq + r * a.ldxq + 64));
-            __m512i products = _mm512_packs_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, x0),
-                                                  _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, x1));
-            if constexpr (Fmt::kZmmOffset != 0) products = _mm512_sub_epi16(products, offset16[r]);
+            const __m512i products = _mm512_packs_epi32(_mm512_dpbusd_epi32(start[r][0], w0, x0), _mm512_dpbusd_epi32(start[r][1], w1, x1));
             isum2[r][c] = _mm512_dpwssd_epi32(isum2[r][c], products, scale16);
           }
         }
+      }
+      if constexpr (MR == 1) {  // one row: the 128-bit update costs less than a 16-lane tree of mostly zeros
+        __m256i lanes[1][4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c)
+          lanes[0][c] = c < NR ? _mm256_add_epi32(_mm512_castsi512_si256(isum2[0][c]), _mm512_extracti64x4_epi64(isum2[0][c], 1)) : _mm256_setzero_si256();
+        k_quant_update_rows<Fmt, MR, NR>(lanes, scales, a, kb, 0);
+      } else {
+        k_quant_update16<Fmt, MR, NR>(isum2, scales, a, kb);
       }
 #else
       __m256i isum[MR][NR];  // per output: 8 int32 lanes, lane j = sum over sub-blocks of sc * (bytes 4j..4j+3)
@@ -278,49 +383,13 @@ void a8_tile(const TileArgs& a) {
             isum[r][c] = dot_u8_i8_scaled(isum[r][c], wq[c], Fmt::kSigned ? _mm256_sign_epi8(xv, wsign[c]) : xv, scale16[c]);
         }
       }
-#endif
-      // Each output's lanes -> ONE exact integer total per super-block (any order gives the same
-      // integer), then one 4-column fp32 update per row: acc = fma(total, d_w * dx, acc), and for
-      // Q4_K / Q5_K acc = fnmadd(sum over sub-blocks of m * bsum, dmin * dx, acc). Both builds run
-      // these same 128-bit float ops per output. Columns past NR are zero (d = dmin = 0).
-      auto d_of = [&](int c) { return c < NR ? scales[c].d : 0.0f; };
-      const __m128 d_cols = _mm_setr_ps(d_of(0), d_of(1), d_of(2), d_of(3));
-      [[maybe_unused]] __m256i m_cols[2];  // int16: columns 0, 1 | 2, 3
-      [[maybe_unused]] __m128 dmin_cols;
-      if constexpr (Fmt::kHasMin) {
-        auto m_of = [&](int c) { return c < NR ? _mm_load_si128((const __m128i*)scales[c].m) : _mm_setzero_si128(); };
-        auto dmin_of = [&](int c) { return c < NR ? scales[c].dmin : 0.0f; };
-        m_cols[0] = _mm256_set_m128i(m_of(1), m_of(0)), m_cols[1] = _mm256_set_m128i(m_of(3), m_of(2));
-        dmin_cols = _mm_setr_ps(dmin_of(0), dmin_of(1), dmin_of(2), dmin_of(3));
-      }
+      __m256i lanes[MR][4];  // 8 int32 per output
 #pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r) {
-        const A8Row row(a.xq + r * a.ldxq, a.K);
-        const __m128 dx = _mm_set1_ps(row.d[kb / Fmt::kA8Block]);
-        __m256i lanes[4];  // 8 int32 per column
+      for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) {
-#ifdef SG_A8_ZMM
-          lanes[c] = c < NR ? _mm256_add_epi32(_mm512_castsi512_si256(isum2[r][c]), _mm512_extracti64x4_epi64(isum2[r][c], 1))
-                            : _mm256_setzero_si256();
-#else
-          lanes[c] = c < NR ? isum[r][c] : _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) lanes[r][c] = c < NR ? isum[r][c] : _mm256_setzero_si256();
+      k_quant_update_rows<Fmt, MR, NR>(lanes, scales, a, kb, kRowFloats);
 #endif
-        }
-        // hadd tree: lanes 0-3 of each half = the columns' partial sums, the halves added = totals
-        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[0], lanes[1]), _mm256_hadd_epi32(lanes[2], lanes[3]));
-        const __m128i totals = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-        float* acc = acc_of(r, 0);  // the 4 columns' accumulators
-        __m128 sum = _mm_fmadd_ps(_mm_cvtepi32_ps(totals), _mm_mul_ps(d_cols, dx), _mm_loadu_ps(acc));
-        if constexpr (Fmt::kHasMin) {
-          const __m256i bsum = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(row.bsum + kb / kA8Sub)));
-          __m256i m = _mm256_hadd_epi32(_mm256_madd_epi16(m_cols[0], bsum), _mm256_madd_epi16(m_cols[1], bsum));
-          m = _mm256_hadd_epi32(m, m);  // low half: columns 0, 2, high half: 1, 3
-          const __m128i msum = _mm_unpacklo_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
-          sum = _mm_fnmadd_ps(_mm_cvtepi32_ps(msum), _mm_mul_ps(dmin_cols, dx), sum);
-        }
-        _mm_storeu_ps(acc, sum);
-      }
     }
   }
   if constexpr (kBlock32) {
@@ -346,7 +415,11 @@ void a8_tile(const TileArgs& a) {
         value = hsum256(_mm256_loadu_ps(acc_of(r, c)));
         if constexpr (Fmt::kHasMin) value += mins_of(r)[4 * c];
       } else {
+#ifdef SG_A8_ZMM
+        value = saved[4 * r + c];  // K-quants: one float per output, min terms included (k_quant_update16)
+#else
         value = acc_of(r, 0)[c];  // K-quants: one float per output, min terms included
+#endif
       }
       if (a.bias) value += a.bias[c];
       a.y[r * a.ldy + c] = value;
