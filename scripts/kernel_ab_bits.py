@@ -97,7 +97,8 @@ def main() -> None:
         for isa in args.isas.split(","):
             old_path = args.old_lib or build_from_ref(args.ref, isa, Path(tmp))
             new_path = args.new_lib or this_checkout(isa)
-            print(f"{isa}: old {old_path}  new {new_path}", flush=True)
+            label = "given libraries" if args.old_lib or args.new_lib else isa
+            print(f"{label}: old {old_path}  new {new_path}", flush=True)
             differing += compare(old_path, new_path, formats)
             if args.old_lib or args.new_lib:
                 break

@@ -68,15 +68,22 @@ inline __m256i dot_u8_i8(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
 }
-// acc + the int16 pair products of (u . s per byte pair) and scale16 (K-quant sub-block scales), exact.
-inline __m256i dot_u8_i8_scaled(__m256i acc, __m256i u, __m256i s, __m256i scale16) {
-  const __m256i pairs = _mm256_maddubs_epi16(u, s);  // |pair| <= 2 * 32 * 127 (Q6_K) or 2 * 31 * 127
+// acc + the products of int16 pairs and scale16 (K-quant sub-block scales), summed per int32 lane, exact.
+inline __m256i scaled_pairs(__m256i acc, __m256i pairs, __m256i scale16) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpwssd_epi32(acc, pairs, scale16);
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scale16));
 #endif
 }
+
+// K-quant tiles that keep the AVX2 build's sums of all MR x NR outputs per sub-block (the decoded
+// scratch of many rows, whose quants and scales are plain loads), where the blocks' own tiles walk
+// one column at a time
+template <typename Fmt, typename = void>
+struct rows_outer : std::false_type {};
+template <typename Fmt>
+struct rows_outer<Fmt, std::void_t<decltype(Fmt::kRowsOuter)>> : std::bool_constant<Fmt::kRowsOuter> {};
 
 // Formats whose a8 tile runs two columns per zmm (the decoded 32-weight blocks of the VNNI build)
 template <typename Fmt, typename = void>
@@ -361,33 +368,72 @@ void a8_tile(const TileArgs& a) {
         k_quant_update16<Fmt, MR, NR>(isum2, scales, a, kb);
       }
 #else
-      __m256i isum[MR][NR];  // per output: 8 int32 lanes, lane j = sum over sub-blocks of sc * (bytes 4j..4j+3)
+      // per output: 8 int32 lanes, lane j = sum over sub-blocks of sc * (bytes 4j..4j+3); columns past NR zero.
+      // Columns outer, sub-blocks and rows inner: one column's MR sums, its quants and scales fit the 16
+      // ymm registers (all MR x NR sums at once spilled every sub-block's products); x is re-read from L1.
+      // Signed quants (Q6_K) as unsigned q + kQuantOffset (maddubs wants one unsigned side): the int16
+      // pairs are q . x - offset . x, the offset pairs once per row and sub-block (exact: |pair| <=
+      // 2 * 63 * 127, no saturation), so the pairs are exactly (q - offset) . x, as the signed quants give
+      constexpr int kOffset = Fmt::kQuantOffset;
+      [[maybe_unused]] __m256i offset_pairs[kOffset ? MR : 1][kOffset ? kSubs : 1];
+      if constexpr (kOffset != 0 && !rows_outer<Fmt>::value) {
 #pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r)
+        for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
-        for (int c = 0; c < NR; ++c) isum[r][c] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-      for (int sub = 0; sub < kSubs; ++sub) {
-        __m256i wq[NR], wsign[NR], scale16[NR];
-#pragma GCC unroll 8
-        for (int c = 0; c < NR; ++c) {
-          wsign[c] = Fmt::quants32(a.w + c * a.ldw + offset, sub);
-          wq[c] = Fmt::kSigned ? _mm256_sign_epi8(wsign[c], wsign[c]) : wsign[c];
-          scale16[c] = Fmt::a8_scale16(scales[c], sub);
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-          const __m256i xv = load32(a.xq + r * a.ldxq + kb + kA8Sub * sub);
-#pragma GCC unroll 8
-          for (int c = 0; c < NR; ++c)
-            isum[r][c] = dot_u8_i8_scaled(isum[r][c], wq[c], Fmt::kSigned ? _mm256_sign_epi8(xv, wsign[c]) : xv, scale16[c]);
-        }
+          for (int sub = 0; sub < kSubs; ++sub)
+            offset_pairs[r][sub] = _mm256_maddubs_epi16(_mm256_set1_epi8(kOffset), load32(a.xq + r * a.ldxq + kb + kA8Sub * sub));
       }
-      __m256i lanes[MR][4];  // 8 int32 per output
+      __m256i lanes[MR][4];
+      if constexpr (rows_outer<Fmt>::value) {  // the decoded scratch of many rows: all MR x NR sums per sub-block
+        __m256i isum[MR][NR];
 #pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r)
+        for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+          for (int c = 0; c < NR; ++c) isum[r][c] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int sub = 0; sub < kSubs; ++sub) {
+          __m256i wq[NR], wsign[NR], scale16[NR];  // |q| for signed formats (the sign moves onto the activations)
+#pragma GCC unroll 8
+          for (int c = 0; c < NR; ++c) {
+            wsign[c] = Fmt::quants32(a.w + c * a.ldw + offset, sub);
+            wq[c] = Fmt::kSigned ? _mm256_sign_epi8(wsign[c], wsign[c]) : wsign[c];
+            scale16[c] = Fmt::a8_scale16(scales[c], sub);
+          }
+#pragma GCC unroll 8
+          for (int r = 0; r < MR; ++r) {
+            const __m256i xv = load32(a.xq + r * a.ldxq + kb + kA8Sub * sub);
+#pragma GCC unroll 8
+            for (int c = 0; c < NR; ++c)
+              isum[r][c] = scaled_pairs(isum[r][c], _mm256_maddubs_epi16(wq[c], Fmt::kSigned ? _mm256_sign_epi8(xv, wsign[c]) : xv), scale16[c]);
+          }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) lanes[r][c] = c < NR ? isum[r][c] : _mm256_setzero_si256();
+          for (int c = 0; c < 4; ++c) lanes[r][c] = c < NR ? isum[r][c] : _mm256_setzero_si256();
+      }
+#pragma GCC unroll 1
+      for (int c = 0; c < (rows_outer<Fmt>::value ? 0 : 4); ++c) {
+        __m256i isum[MR];
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+        if (c < NR) {
+#pragma GCC unroll 8
+          for (int sub = 0; sub < kSubs; ++sub) {
+            __m256i wq = Fmt::quants32(a.w + c * a.ldw + offset, sub);
+            if constexpr (kOffset != 0) wq = _mm256_add_epi8(wq, _mm256_set1_epi8(kOffset));
+            const __m256i scale16 = Fmt::a8_scale16(scales[c], sub);
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; ++r) {
+              __m256i pairs = _mm256_maddubs_epi16(wq, load32(a.xq + r * a.ldxq + kb + kA8Sub * sub));
+              if constexpr (kOffset != 0) pairs = _mm256_sub_epi16(pairs, offset_pairs[r][sub]);
+              isum[r] = scaled_pairs(isum[r], pairs, scale16);
+            }
+          }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) lanes[r][c] = isum[r];
+      }
       k_quant_update_rows<Fmt, MR, NR>(lanes, scales, a, kb, kRowFloats);
 #endif
     }
@@ -460,7 +506,8 @@ template <typename Fmt>
 struct DecodedKQuantA8 {  // a8_tile's view of a DecodedKQuantBlock
   static constexpr int kBlock = 256, kBytes = sizeof(DecodedKQuantBlock);
   static constexpr bool kTail = false, kSigned = Fmt::kSigned, kHasMin = Fmt::kHasMin;
-  static constexpr int kA8Block = 256;
+  static constexpr int kA8Block = 256, kQuantOffset = Fmt::kQuantOffset;
+  static constexpr bool kRowsOuter = true;
   using A8Scales = DecodedKQuantScales;
   static const DecodedKQuantBlock& of(const uint8_t* b) { return *(const DecodedKQuantBlock*)b; }
   static __m256i quants32(const uint8_t* b, int sub) { return _mm256_load_si256((const __m256i*)(of(b).quants + 32 * sub)); }
