@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # this checkout's specdec
 from kernel_instructions import FORMATS, call_linear, synthetic_blocks  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

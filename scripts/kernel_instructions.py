@@ -88,6 +88,7 @@ def count(lib_path: str, fmt: str, mode: str, rows: int, n: int, k: int, functio
 
 
 def library_for(isa: str) -> str:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's specdec
     from specdec.kernels.build import build_library, kernel_cache_dir, require_compiler
 
     return str(build_library(require_compiler(), isa, kernel_cache_dir()))

@@ -85,6 +85,15 @@ struct rows_outer : std::false_type {};
 template <typename Fmt>
 struct rows_outer<Fmt, std::void_t<decltype(Fmt::kRowsOuter)>> : std::bool_constant<Fmt::kRowsOuter> {};
 
+// 32-weight formats: a block's min-term weights of the 4 columns (0 past NR). Every row adds
+// m * ds per lane, the product and the sum each rounded as the scalar expression was: one 128-bit
+// multiply and add per row for the 4 outputs instead of 4 scalar pairs.
+template <typename Fmt, int NR, typename Scales>
+__m128 min_cols(const Scales (&scales)[NR]) {
+  auto min_of = [&](int c) { return c < NR ? Fmt::a8_min(scales[c], 0) : 0.0f; };
+  return _mm_setr_ps(min_of(0), min_of(1), min_of(2), min_of(3));
+}
+
 // Formats whose a8 tile runs two columns per zmm (the decoded 32-weight blocks of the VNNI build)
 template <typename Fmt, typename = void>
 struct pairs_columns : std::false_type {};
@@ -188,12 +197,12 @@ void k_quant_update16(const __m512i (&isum2)[MR][NR], const Scales (&scales)[NR]
 template <typename Fmt, int MR, int NR>
 void a8_tile(const TileArgs& a) {
   // a.saved, per row r (kRowFloats floats): the 8 acc lanes of each column side by side (two
-  // columns = one 16-float vector), then the row's min-term sums: 4 lanes per column (all equal)
+  // columns = one 16-float vector), then the row's min-term sums: one float per column
   constexpr int kRowFloats = kColsPerTile * kSavedFloats;
   static_assert(NR <= 4 && kRowFloats >= 8 * 4 + 16, "a row's acc lanes and its min-term sums fit its kRowFloats");
   float* const saved = a.saved;
   auto acc_of = [saved](int r, int c) { return saved + r * kRowFloats + 8 * c; };
-  auto mins_of = [saved](int r) { return saved + r * kRowFloats + 32; };  // 16 floats, column c at 4c
+  auto mins_of = [saved](int r) { return saved + r * kRowFloats + 32; };  // 16 floats, column c at c
   if (a.k_begin == 0) {
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
@@ -210,7 +219,7 @@ void a8_tile(const TileArgs& a) {
   // registers over this K range (the same operations on the same values as in memory)
   constexpr bool kBlock32 = Fmt::kA8Block == kA8Sub;
   [[maybe_unused]] __m256 acc32[MR][NR];
-  [[maybe_unused]] float mins32[MR][NR];
+  [[maybe_unused]] __m128 mins4[MR];  // the min-term sums of a row's (up to) 4 columns, lane c
   constexpr bool kPaired = pairs_columns<Fmt>::value;
   constexpr int kPairs = NR / 2;  // paired: columns 2p, 2p + 1 in acc_pair[r][p]; an odd last column in acc32
 #ifdef SG_A8_ZMM
@@ -230,8 +239,9 @@ void a8_tile(const TileArgs& a) {
         } else {
           acc32[r][c] = _mm256_loadu_ps(acc_of(r, c));
         }
-        mins32[r][c] = mins_of(r)[4 * c];
       }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) mins4[r] = _mm_loadu_ps(mins_of(r));
   }
   constexpr int64_t kLine = 64;
   int64_t next_prefetch = INT64_MAX;
@@ -265,6 +275,7 @@ void a8_tile(const TileArgs& a) {
       }
       const uint8_t* last = a.w + (NR - 1) * a.ldw + offset;
       const int64_t ab = kb / kA8Sub;
+      [[maybe_unused]] const __m128 m_cols = min_cols<Fmt, NR>(scales);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const A8Row row(a.xq + r * a.ldxq, a.K);
@@ -283,10 +294,7 @@ void a8_tile(const TileArgs& a) {
           acc32[r][NR - 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(Fmt::a8_scale(scales[NR - 1], 0), _mm512_castps512_ps256(dx)),
                                              acc32[r][NR - 1]);
         }
-        if constexpr (Fmt::kHasMin) {
-#pragma GCC unroll 8
-          for (int c = 0; c < NR; ++c) mins32[r][c] = mins32[r][c] + Fmt::a8_min(scales[c], 0) * row.ds[ab];
-        }
+        if constexpr (Fmt::kHasMin) mins4[r] = _mm_add_ps(mins4[r], _mm_mul_ps(m_cols, _mm_set1_ps(row.ds[ab])));
       }
     } else
 #endif
@@ -300,6 +308,7 @@ void a8_tile(const TileArgs& a) {
         wq[c] = Fmt::kSigned ? _mm256_sign_epi8(wsign[c], wsign[c]) : wsign[c];
       }
       const int64_t ab = kb / kA8Sub;
+      [[maybe_unused]] const __m128 m_cols = min_cols<Fmt, NR>(scales);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const A8Row row(a.xq + r * a.ldxq, a.K);
@@ -309,8 +318,8 @@ void a8_tile(const TileArgs& a) {
         for (int c = 0; c < NR; ++c) {
           const __m256i dot = dot_u8_i8(wq[c], Fmt::kSigned ? _mm256_sign_epi8(xv, wsign[c]) : xv);
           acc32[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(Fmt::a8_scale(scales[c], 0), dx), acc32[r][c]);
-          if constexpr (Fmt::kHasMin) mins32[r][c] = mins32[r][c] + Fmt::a8_min(scales[c], 0) * row.ds[ab];
         }
+        if constexpr (Fmt::kHasMin) mins4[r] = _mm_add_ps(mins4[r], _mm_mul_ps(m_cols, _mm_set1_ps(row.ds[ab])));
       }
     } else {  // K-quants: integer sub-block scales, one fp32 update per 256
       typename Fmt::A8Scales scales[NR];
@@ -448,8 +457,9 @@ void a8_tile(const TileArgs& a) {
         } else {
           _mm256_storeu_ps(acc_of(r, c), acc32[r][c]);
         }
-        mins_of(r)[4 * c] = mins32[r][c];
       }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) _mm_storeu_ps(mins_of(r), mins4[r]);
   }
   if (a.k_end < a.K) return;  // the sums stay parked in a.saved
 #pragma GCC unroll 8
@@ -459,7 +469,7 @@ void a8_tile(const TileArgs& a) {
       float value;
       if constexpr (Fmt::kA8Block == kA8Sub) {
         value = hsum256(_mm256_loadu_ps(acc_of(r, c)));
-        if constexpr (Fmt::kHasMin) value += mins_of(r)[4 * c];
+        if constexpr (Fmt::kHasMin) value += mins_of(r)[c];
       } else {
 #ifdef SG_A8_ZMM
         value = saved[4 * r + c];  // K-quants: one float per output, min terms included (k_quant_update16)
