@@ -68,14 +68,30 @@ inline __m256i dot_u8_i8(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
 }
-// acc + the int16 pair products of (u . s per byte pair) and scale16 (K-quant sub-block scales), exact.
-inline __m256i dot_u8_i8_scaled(__m256i acc, __m256i u, __m256i s, __m256i scale16) {
-  const __m256i pairs = _mm256_maddubs_epi16(u, s);  // |pair| <= 2 * 32 * 127 (Q6_K) or 2 * 31 * 127
+// acc + the products of int16 pairs and scale16 (K-quant sub-block scales), summed per int32 lane, exact.
+inline __m256i scaled_pairs(__m256i acc, __m256i pairs, __m256i scale16) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpwssd_epi32(acc, pairs, scale16);
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scale16));
 #endif
+}
+
+// K-quant tiles that keep the AVX2 build's sums of all MR x NR outputs per sub-block (the decoded
+// scratch of many rows, whose quants and scales are plain loads), where the blocks' own tiles walk
+// one column at a time
+template <typename Fmt, typename = void>
+struct rows_outer : std::false_type {};
+template <typename Fmt>
+struct rows_outer<Fmt, std::void_t<decltype(Fmt::kRowsOuter)>> : std::bool_constant<Fmt::kRowsOuter> {};
+
+// 32-weight formats: a block's min-term weights of the 4 columns (0 past NR). Every row adds
+// m * ds per lane, the product and the sum each rounded as the scalar expression was: one 128-bit
+// multiply and add per row for the 4 outputs instead of 4 scalar pairs.
+template <typename Fmt, int NR, typename Scales>
+__m128 min_cols(const Scales (&scales)[NR]) {
+  auto min_of = [&](int c) { return c < NR ? Fmt::a8_min(scales[c], 0) : 0.0f; };
+  return _mm_setr_ps(min_of(0), min_of(1), min_of(2), min_of(3));
 }
 
 // Formats whose a8 tile runs two columns per zmm (the decoded 32-weight blocks of the VNNI build)
@@ -84,18 +100,109 @@ struct pairs_columns : std::false_type {};
 template <typename Fmt>
 struct pairs_columns<Fmt, std::void_t<decltype(Fmt::kPairColumns)>> : std::bool_constant<Fmt::kPairColumns> {};
 
+// K-quants: a super-block's update of the tile's outputs, one row at a time (the AVX2 build, and
+// 1-row tiles on the zmm build): `lanes` = each output's int32 lanes (8 per output), summed to ONE
+// integer total (any order gives the same integer); then acc = fma(float(total), d_w * dx, acc) and,
+// for Q4_K / Q5_K, acc = fnmadd(float(sum over sub-blocks of m * bsum), dmin * dx, acc), with 128-bit
+// ops over 4 columns (columns past NR are zero: d = dmin = 0). Row r's accumulators: a.saved +
+// r * row_floats, columns side by side.
+template <typename Fmt, int MR, int NR, typename Scales>
+void k_quant_update_rows(const __m256i (&lanes)[MR][4], const Scales (&scales)[NR], const TileArgs& a, int64_t kb, int64_t row_floats) {
+  auto d_of = [&](int c) { return c < NR ? scales[c].d : 0.0f; };
+  const __m128 d_cols = _mm_setr_ps(d_of(0), d_of(1), d_of(2), d_of(3));
+  [[maybe_unused]] __m256i m_cols[2];  // int16: columns 0, 1 | 2, 3
+  [[maybe_unused]] __m128 dmin_cols;
+  if constexpr (Fmt::kHasMin) {
+    auto m_of = [&](int c) { return c < NR ? _mm_load_si128((const __m128i*)scales[c].m) : _mm_setzero_si128(); };
+    auto dmin_of = [&](int c) { return c < NR ? scales[c].dmin : 0.0f; };
+    m_cols[0] = _mm256_set_m128i(m_of(1), m_of(0)), m_cols[1] = _mm256_set_m128i(m_of(3), m_of(2));
+    dmin_cols = _mm_setr_ps(dmin_of(0), dmin_of(1), dmin_of(2), dmin_of(3));
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    const A8Row row(a.xq + r * a.ldxq, a.K);
+    const __m128 dx = _mm_set1_ps(row.d[kb / Fmt::kA8Block]);
+    // hadd tree: lanes 0-3 of each half = the columns' partial sums, the halves added = totals
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[r][0], lanes[r][1]), _mm256_hadd_epi32(lanes[r][2], lanes[r][3]));
+    const __m128i totals = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    float* acc = a.saved + r * row_floats;  // the 4 columns' accumulators
+    __m128 sum = _mm_fmadd_ps(_mm_cvtepi32_ps(totals), _mm_mul_ps(d_cols, dx), _mm_loadu_ps(acc));
+    if constexpr (Fmt::kHasMin) {
+      const __m256i bsum = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(row.bsum + kb / kA8Sub)));
+      __m256i m = _mm256_hadd_epi32(_mm256_madd_epi16(m_cols[0], bsum), _mm256_madd_epi16(m_cols[1], bsum));
+      m = _mm256_hadd_epi32(m, m);  // low half: columns 0, 2, high half: 1, 3
+      const __m128i msum = _mm_unpacklo_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+      sum = _mm_fnmadd_ps(_mm_cvtepi32_ps(msum), _mm_mul_ps(dmin_cols, dx), sum);
+    }
+    _mm_storeu_ps(acc, sum);
+  }
+}
+
+#ifdef SG_A8_ZMM
+// per 128-bit chunk k: [the sum of chunk k's 4 lanes in i0, in i1, in i2, in i3] (exact integer adds)
+inline __m512i sum_chunks_of_each(__m512i i0, __m512i i1, __m512i i2, __m512i i3) {
+  const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(i0, i1), _mm512_unpackhi_epi32(i0, i1));
+  const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(i2, i3), _mm512_unpackhi_epi32(i2, i3));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+// chunk j = the sum of the 4 chunks of cj
+inline __m512i sum_over_chunks(__m512i c0, __m512i c1, __m512i c2, __m512i c3) {
+  const __m512i t01 = _mm512_add_epi32(_mm512_shuffle_i32x4(c0, c1, 0x44), _mm512_shuffle_i32x4(c0, c1, 0xee));
+  const __m512i t23 = _mm512_add_epi32(_mm512_shuffle_i32x4(c2, c3, 0x44), _mm512_shuffle_i32x4(c2, c3, 0xee));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(t01, t23, 0x88), _mm512_shuffle_i32x4(t01, t23, 0xdd));
+}
+
+// K-quants, zmm build, 2-4 rows: the same update for the tile's 4 x 4 outputs at once in one zmm,
+// lane 4r + c (row r, column c; a 1-row tile's lanes are those of k_quant_update_rows), the
+// accumulators in a.saved[0, 16). Each output's 16 int32 lanes become its total by one
+// transpose-and-add tree for all outputs, and each lane takes the same float steps on the same
+// values as in k_quant_update_rows. Rows past MR and columns past NR are zero lanes.
+template <typename Fmt, int MR, int NR, typename Scales>
+void k_quant_update16(const __m512i (&isum2)[MR][NR], const Scales (&scales)[NR], const TileArgs& a, int64_t kb) {
+  const __m512i zero = _mm512_setzero_si512();
+  auto isum = [&](int r, int c) { return c < NR ? isum2[r][c] : zero; };
+  __m512i per_row[4];  // chunk k, lane c: row r's chunk-k partial total of column c
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) per_row[r] = r < MR ? sum_chunks_of_each(isum(r, 0), isum(r, 1), isum(r, 2), isum(r, 3)) : zero;
+  const __m512i totals = sum_over_chunks(per_row[0], per_row[1], per_row[2], per_row[3]);
+  auto columns = [&](auto value_of) {  // lane c of every chunk = value_of(c), 0 past NR
+    return _mm512_broadcast_f32x4(_mm_setr_ps(value_of(0), value_of(1), value_of(2), value_of(3)));
+  };
+  auto dx_of = [&](int r) { return r < MR ? A8Row(a.xq + r * a.ldxq, a.K).d[kb / Fmt::kA8Block] : 0.0f; };
+  const __m512i chunk_of_lane = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512 dx = _mm512_permutexvar_ps(chunk_of_lane, _mm512_castps128_ps512(_mm_setr_ps(dx_of(0), dx_of(1), dx_of(2), dx_of(3))));
+  const __m512 d_w = columns([&](int c) { return c < NR ? scales[c].d : 0.0f; });
+  __m512 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(totals), _mm512_mul_ps(d_w, dx), _mm512_loadu_ps(a.saved));
+  if constexpr (Fmt::kHasMin) {
+    auto bsum_of = [&](int r) {
+      return r < MR ? _mm_loadu_si128((const __m128i*)(A8Row(a.xq + r * a.ldxq, a.K).bsum + kb / kA8Sub)) : _mm_setzero_si128();
+    };
+    const __m512i bsums = _mm512_inserti32x4(  // chunk r: row r's 8 activation sums (int16)
+        _mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(bsum_of(0)), bsum_of(1), 1), bsum_of(2), 2), bsum_of(3), 3);
+    __m512i per_column[4];  // chunk r: row r's m . bsum of column c in 4 partial sums (int16 pairs)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c)
+      per_column[c] = c < NR ? _mm512_madd_epi16(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)scales[c].m)), bsums) : zero;
+    const __m512i min_totals = sum_chunks_of_each(per_column[0], per_column[1], per_column[2], per_column[3]);  // lane 4r + c
+    const __m512 dmin_w = columns([&](int c) { return c < NR ? scales[c].dmin : 0.0f; });
+    acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(min_totals), _mm512_mul_ps(dmin_w, dx), acc);
+  }
+  _mm512_storeu_ps(a.saved, acc);
+}
+#endif
+
 // The float accumulators live in a.saved (32-weight formats: 8 lanes + the min-term sum per output;
 // K-quants: one float per output, touched once per 256 weights): keeping them out of registers
 // leaves room for the integer sums.
 template <typename Fmt, int MR, int NR>
 void a8_tile(const TileArgs& a) {
   // a.saved, per row r (kRowFloats floats): the 8 acc lanes of each column side by side (two
-  // columns = one 16-float vector), then the row's min-term sums: 4 lanes per column (all equal)
+  // columns = one 16-float vector), then the row's min-term sums: one float per column
   constexpr int kRowFloats = kColsPerTile * kSavedFloats;
   static_assert(NR <= 4 && kRowFloats >= 8 * 4 + 16, "a row's acc lanes and its min-term sums fit its kRowFloats");
   float* const saved = a.saved;
   auto acc_of = [saved](int r, int c) { return saved + r * kRowFloats + 8 * c; };
-  auto mins_of = [saved](int r) { return saved + r * kRowFloats + 32; };  // 16 floats, column c at 4c
+  auto mins_of = [saved](int r) { return saved + r * kRowFloats + 32; };  // 16 floats, column c at c
   if (a.k_begin == 0) {
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
@@ -103,13 +210,16 @@ void a8_tile(const TileArgs& a) {
 #pragma GCC unroll 8
       for (int c = 0; c < NR; ++c) _mm256_storeu_ps(acc_of(r, c), _mm256_setzero_ps());
     }
+#ifdef SG_A8_ZMM
+    _mm512_storeu_ps(saved, _mm512_setzero_ps());  // K-quants, 2-4 rows: the 16 lanes of k_quant_update16
+#endif
   }
   constexpr int kSubs = Fmt::kBlock / kA8Sub;
   // 32-weight formats: the float accumulators are updated every 32 weights, so they stay in
   // registers over this K range (the same operations on the same values as in memory)
   constexpr bool kBlock32 = Fmt::kA8Block == kA8Sub;
   [[maybe_unused]] __m256 acc32[MR][NR];
-  [[maybe_unused]] float mins32[MR][NR];
+  [[maybe_unused]] __m128 mins4[MR];  // the min-term sums of a row's (up to) 4 columns, lane c
   constexpr bool kPaired = pairs_columns<Fmt>::value;
   constexpr int kPairs = NR / 2;  // paired: columns 2p, 2p + 1 in acc_pair[r][p]; an odd last column in acc32
 #ifdef SG_A8_ZMM
@@ -129,8 +239,9 @@ void a8_tile(const TileArgs& a) {
         } else {
           acc32[r][c] = _mm256_loadu_ps(acc_of(r, c));
         }
-        mins32[r][c] = mins_of(r)[4 * c];
       }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) mins4[r] = _mm_loadu_ps(mins_of(r));
   }
   constexpr int64_t kLine = 64;
   int64_t next_prefetch = INT64_MAX;
@@ -164,6 +275,7 @@ void a8_tile(const TileArgs& a) {
       }
       const uint8_t* last = a.w + (NR - 1) * a.ldw + offset;
       const int64_t ab = kb / kA8Sub;
+      [[maybe_unused]] const __m128 m_cols = min_cols<Fmt, NR>(scales);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const A8Row row(a.xq + r * a.ldxq, a.K);
@@ -182,10 +294,7 @@ void a8_tile(const TileArgs& a) {
           acc32[r][NR - 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(Fmt::a8_scale(scales[NR - 1], 0), _mm512_castps512_ps256(dx)),
                                              acc32[r][NR - 1]);
         }
-        if constexpr (Fmt::kHasMin) {
-#pragma GCC unroll 8
-          for (int c = 0; c < NR; ++c) mins32[r][c] = mins32[r][c] + Fmt::a8_min(scales[c], 0) * row.ds[ab];
-        }
+        if constexpr (Fmt::kHasMin) mins4[r] = _mm_add_ps(mins4[r], _mm_mul_ps(m_cols, _mm_set1_ps(row.ds[ab])));
       }
     } else
 #endif
@@ -199,6 +308,7 @@ void a8_tile(const TileArgs& a) {
         wq[c] = Fmt::kSigned ? _mm256_sign_epi8(wsign[c], wsign[c]) : wsign[c];
       }
       const int64_t ab = kb / kA8Sub;
+      [[maybe_unused]] const __m128 m_cols = min_cols<Fmt, NR>(scales);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const A8Row row(a.xq + r * a.ldxq, a.K);
@@ -208,8 +318,8 @@ void a8_tile(const TileArgs& a) {
         for (int c = 0; c < NR; ++c) {
           const __m256i dot = dot_u8_i8(wq[c], Fmt::kSigned ? _mm256_sign_epi8(xv, wsign[c]) : xv);
           acc32[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(Fmt::a8_scale(scales[c], 0), dx), acc32[r][c]);
-          if constexpr (Fmt::kHasMin) mins32[r][c] = mins32[r][c] + Fmt::a8_min(scales[c], 0) * row.ds[ab];
         }
+        if constexpr (Fmt::kHasMin) mins4[r] = _mm_add_ps(mins4[r], _mm_mul_ps(m_cols, _mm_set1_ps(row.ds[ab])));
       }
     } else {  // K-quants: integer sub-block scales, one fp32 update per 256
       typename Fmt::A8Scales scales[NR];
@@ -229,15 +339,19 @@ void a8_tile(const TileArgs& a) {
         // Columns outer, rows inner (x re-read from L1): MR * NR sums + one column's weights and
         // scales stay in the 32 registers, where all NR columns' would spill
         const uint8_t* xq = a.xq + kb + 4 * kA8Sub * quad;
-        __m512i offset16[MR];  // kZmmOffset * (x sums per 4), packed as the products: (q - offset) . x = q . x - this
-        if constexpr (Fmt::kZmmOffset != 0) {
+        // where the dot products start: 0, or -kZmmOffset * (x sums per 4) so that each int32 lane is
+        // (q - offset) . x exactly (|.| <= 4 * 32 * 127: the packs below do not saturate)
+        __m512i start[MR][2];
 #pragma GCC unroll 8
-          for (int r = 0; r < MR; ++r) {
-            const __m512i offset = _mm512_set1_epi8(Fmt::kZmmOffset);
-            offset16[r] = _mm512_packs_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, _mm512_loadu_si512((const void*)(xq + r * a.ldxq))),
-                                             _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, _mm512_loadu_si512((const void*)(xq + r * a.ldxq + 64))));
+        for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
+          for (int half = 0; half < 2; ++half) {
+            start[r][half] = _mm512_setzero_si512();
+            if constexpr (Fmt::kZmmOffset != 0) {
+              const __m512i x = _mm512_loadu_si512((const void*)(xq + r * a.ldxq + 64 * half));
+              start[r][half] = _mm512_sub_epi32(start[r][half], _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(Fmt::kZmmOffset), x));
+            }
           }
-        }
         const __m512i scale_index = quad_scale_index(quad, Fmt::kA8ScalePer16);
 #pragma GCC unroll 8
         for (int c = 0; c < NR; ++c) {
@@ -248,79 +362,89 @@ void a8_tile(const TileArgs& a) {
           for (int r = 0; r < MR; ++r) {
             const __m512i x0 = _mm512_loadu_si512((const void*)(xq + r * a.ldxq));
             const __m512i x1 = _mm512_loadu_si512((const void*)(xq + r * a.ldxq + 64));
-            __m512i products = _mm512_packs_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, x0),
-                                                  _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, x1));
-            if constexpr (Fmt::kZmmOffset != 0) products = _mm512_sub_epi16(products, offset16[r]);
+            const __m512i products = _mm512_packs_epi32(_mm512_dpbusd_epi32(start[r][0], w0, x0), _mm512_dpbusd_epi32(start[r][1], w1, x1));
             isum2[r][c] = _mm512_dpwssd_epi32(isum2[r][c], products, scale16);
           }
         }
       }
-#else
-      __m256i isum[MR][NR];  // per output: 8 int32 lanes, lane j = sum over sub-blocks of sc * (bytes 4j..4j+3)
-#pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 8
-        for (int c = 0; c < NR; ++c) isum[r][c] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-      for (int sub = 0; sub < kSubs; ++sub) {
-        __m256i wq[NR], wsign[NR], scale16[NR];
-#pragma GCC unroll 8
-        for (int c = 0; c < NR; ++c) {
-          wsign[c] = Fmt::quants32(a.w + c * a.ldw + offset, sub);
-          wq[c] = Fmt::kSigned ? _mm256_sign_epi8(wsign[c], wsign[c]) : wsign[c];
-          scale16[c] = Fmt::a8_scale16(scales[c], sub);
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-          const __m256i xv = load32(a.xq + r * a.ldxq + kb + kA8Sub * sub);
-#pragma GCC unroll 8
-          for (int c = 0; c < NR; ++c)
-            isum[r][c] = dot_u8_i8_scaled(isum[r][c], wq[c], Fmt::kSigned ? _mm256_sign_epi8(xv, wsign[c]) : xv, scale16[c]);
-        }
-      }
-#endif
-      // Each output's lanes -> ONE exact integer total per super-block (any order gives the same
-      // integer), then one 4-column fp32 update per row: acc = fma(total, d_w * dx, acc), and for
-      // Q4_K / Q5_K acc = fnmadd(sum over sub-blocks of m * bsum, dmin * dx, acc). Both builds run
-      // these same 128-bit float ops per output. Columns past NR are zero (d = dmin = 0).
-      auto d_of = [&](int c) { return c < NR ? scales[c].d : 0.0f; };
-      const __m128 d_cols = _mm_setr_ps(d_of(0), d_of(1), d_of(2), d_of(3));
-      [[maybe_unused]] __m256i m_cols[2];  // int16: columns 0, 1 | 2, 3
-      [[maybe_unused]] __m128 dmin_cols;
-      if constexpr (Fmt::kHasMin) {
-        auto m_of = [&](int c) { return c < NR ? _mm_load_si128((const __m128i*)scales[c].m) : _mm_setzero_si128(); };
-        auto dmin_of = [&](int c) { return c < NR ? scales[c].dmin : 0.0f; };
-        m_cols[0] = _mm256_set_m128i(m_of(1), m_of(0)), m_cols[1] = _mm256_set_m128i(m_of(3), m_of(2));
-        dmin_cols = _mm_setr_ps(dmin_of(0), dmin_of(1), dmin_of(2), dmin_of(3));
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r) {
-        const A8Row row(a.xq + r * a.ldxq, a.K);
-        const __m128 dx = _mm_set1_ps(row.d[kb / Fmt::kA8Block]);
-        __m256i lanes[4];  // 8 int32 per column
+      if constexpr (MR == 1) {  // one row: the 128-bit update costs less than a 16-lane tree of mostly zeros
+        __m256i lanes[1][4];
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) {
-#ifdef SG_A8_ZMM
-          lanes[c] = c < NR ? _mm256_add_epi32(_mm512_castsi512_si256(isum2[r][c]), _mm512_extracti64x4_epi64(isum2[r][c], 1))
-                            : _mm256_setzero_si256();
-#else
-          lanes[c] = c < NR ? isum[r][c] : _mm256_setzero_si256();
-#endif
-        }
-        // hadd tree: lanes 0-3 of each half = the columns' partial sums, the halves added = totals
-        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[0], lanes[1]), _mm256_hadd_epi32(lanes[2], lanes[3]));
-        const __m128i totals = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-        float* acc = acc_of(r, 0);  // the 4 columns' accumulators
-        __m128 sum = _mm_fmadd_ps(_mm_cvtepi32_ps(totals), _mm_mul_ps(d_cols, dx), _mm_loadu_ps(acc));
-        if constexpr (Fmt::kHasMin) {
-          const __m256i bsum = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(row.bsum + kb / kA8Sub)));
-          __m256i m = _mm256_hadd_epi32(_mm256_madd_epi16(m_cols[0], bsum), _mm256_madd_epi16(m_cols[1], bsum));
-          m = _mm256_hadd_epi32(m, m);  // low half: columns 0, 2, high half: 1, 3
-          const __m128i msum = _mm_unpacklo_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
-          sum = _mm_fnmadd_ps(_mm_cvtepi32_ps(msum), _mm_mul_ps(dmin_cols, dx), sum);
-        }
-        _mm_storeu_ps(acc, sum);
+        for (int c = 0; c < 4; ++c)
+          lanes[0][c] = c < NR ? _mm256_add_epi32(_mm512_castsi512_si256(isum2[0][c]), _mm512_extracti64x4_epi64(isum2[0][c], 1)) : _mm256_setzero_si256();
+        k_quant_update_rows<Fmt, MR, NR>(lanes, scales, a, kb, 0);
+      } else {
+        k_quant_update16<Fmt, MR, NR>(isum2, scales, a, kb);
       }
+#else
+      // per output: 8 int32 lanes, lane j = sum over sub-blocks of sc * (bytes 4j..4j+3); columns past NR zero.
+      // Columns outer, sub-blocks and rows inner: one column's MR sums, its quants and scales fit the 16
+      // ymm registers (all MR x NR sums at once spilled every sub-block's products); x is re-read from L1.
+      // Signed quants (Q6_K) as unsigned q + kQuantOffset (maddubs wants one unsigned side): the int16
+      // pairs are q . x - offset . x, the offset pairs once per row and sub-block (exact: |pair| <=
+      // 2 * 63 * 127, no saturation), so the pairs are exactly (q - offset) . x, as the signed quants give
+      constexpr int kOffset = Fmt::kQuantOffset;
+      [[maybe_unused]] __m256i offset_pairs[kOffset ? MR : 1][kOffset ? kSubs : 1];
+      if constexpr (kOffset != 0 && !rows_outer<Fmt>::value) {
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+          for (int sub = 0; sub < kSubs; ++sub)
+            offset_pairs[r][sub] = _mm256_maddubs_epi16(_mm256_set1_epi8(kOffset), load32(a.xq + r * a.ldxq + kb + kA8Sub * sub));
+      }
+      __m256i lanes[MR][4];
+      if constexpr (rows_outer<Fmt>::value) {  // the decoded scratch of many rows: all MR x NR sums per sub-block
+        __m256i isum[MR][NR];
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+          for (int c = 0; c < NR; ++c) isum[r][c] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int sub = 0; sub < kSubs; ++sub) {
+          __m256i wq[NR], wsign[NR], scale16[NR];  // |q| for signed formats (the sign moves onto the activations)
+#pragma GCC unroll 8
+          for (int c = 0; c < NR; ++c) {
+            wsign[c] = Fmt::quants32(a.w + c * a.ldw + offset, sub);
+            wq[c] = Fmt::kSigned ? _mm256_sign_epi8(wsign[c], wsign[c]) : wsign[c];
+            scale16[c] = Fmt::a8_scale16(scales[c], sub);
+          }
+#pragma GCC unroll 8
+          for (int r = 0; r < MR; ++r) {
+            const __m256i xv = load32(a.xq + r * a.ldxq + kb + kA8Sub * sub);
+#pragma GCC unroll 8
+            for (int c = 0; c < NR; ++c)
+              isum[r][c] = scaled_pairs(isum[r][c], _mm256_maddubs_epi16(wq[c], Fmt::kSigned ? _mm256_sign_epi8(xv, wsign[c]) : xv), scale16[c]);
+          }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) lanes[r][c] = c < NR ? isum[r][c] : _mm256_setzero_si256();
+      }
+#pragma GCC unroll 1
+      for (int c = 0; c < (rows_outer<Fmt>::value ? 0 : 4); ++c) {
+        __m256i isum[MR];
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+        if (c < NR) {
+#pragma GCC unroll 8
+          for (int sub = 0; sub < kSubs; ++sub) {
+            __m256i wq = Fmt::quants32(a.w + c * a.ldw + offset, sub);
+            if constexpr (kOffset != 0) wq = _mm256_add_epi8(wq, _mm256_set1_epi8(kOffset));
+            const __m256i scale16 = Fmt::a8_scale16(scales[c], sub);
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; ++r) {
+              __m256i pairs = _mm256_maddubs_epi16(wq, load32(a.xq + r * a.ldxq + kb + kA8Sub * sub));
+              if constexpr (kOffset != 0) pairs = _mm256_sub_epi16(pairs, offset_pairs[r][sub]);
+              isum[r] = scaled_pairs(isum[r], pairs, scale16);
+            }
+          }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) lanes[r][c] = isum[r];
+      }
+      k_quant_update_rows<Fmt, MR, NR>(lanes, scales, a, kb, kRowFloats);
+#endif
     }
   }
   if constexpr (kBlock32) {
@@ -333,8 +457,9 @@ void a8_tile(const TileArgs& a) {
         } else {
           _mm256_storeu_ps(acc_of(r, c), acc32[r][c]);
         }
-        mins_of(r)[4 * c] = mins32[r][c];
       }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) _mm_storeu_ps(mins_of(r), mins4[r]);
   }
   if (a.k_end < a.K) return;  // the sums stay parked in a.saved
 #pragma GCC unroll 8
@@ -344,9 +469,13 @@ void a8_tile(const TileArgs& a) {
       float value;
       if constexpr (Fmt::kA8Block == kA8Sub) {
         value = hsum256(_mm256_loadu_ps(acc_of(r, c)));
-        if constexpr (Fmt::kHasMin) value += mins_of(r)[4 * c];
+        if constexpr (Fmt::kHasMin) value += mins_of(r)[c];
       } else {
+#ifdef SG_A8_ZMM
+        value = saved[4 * r + c];  // K-quants: one float per output, min terms included (k_quant_update16)
+#else
         value = acc_of(r, 0)[c];  // K-quants: one float per output, min terms included
+#endif
       }
       if (a.bias) value += a.bias[c];
       a.y[r * a.ldy + c] = value;
@@ -387,7 +516,8 @@ template <typename Fmt>
 struct DecodedKQuantA8 {  // a8_tile's view of a DecodedKQuantBlock
   static constexpr int kBlock = 256, kBytes = sizeof(DecodedKQuantBlock);
   static constexpr bool kTail = false, kSigned = Fmt::kSigned, kHasMin = Fmt::kHasMin;
-  static constexpr int kA8Block = 256;
+  static constexpr int kA8Block = 256, kQuantOffset = Fmt::kQuantOffset;
+  static constexpr bool kRowsOuter = true;
   using A8Scales = DecodedKQuantScales;
   static const DecodedKQuantBlock& of(const uint8_t* b) { return *(const DecodedKQuantBlock*)b; }
   static __m256i quants32(const uint8_t* b, int sub) { return _mm256_load_si256((const __m256i*)(of(b).quants + 32 * sub)); }

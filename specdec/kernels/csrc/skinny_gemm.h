@@ -386,6 +386,7 @@ struct Q4_KFormat {  // d, dmin fp16, scales[12], qs[128]: sub-block 2i / 2i+1 =
   // a8 per super-block: d * sum_sub(sc * sum(q * a)) * dx - dmin * sum_sub(m * sum(a)) * dx
   static constexpr int kA8Block = 256;
   static constexpr bool kSigned = false, kHasMin = true;
+  static constexpr int kQuantOffset = 0;  // quants32 + this = the unsigned quant (AVX2 K-quant tile)
   using A8Scales = KQuantA8Scales;
   static void prepare_a8(const uint8_t* b, A8Scales& s) { k_quant_a8_scales(b, s); }
   static __m256i quants32(const uint8_t* b, int sub) { return nibbles32(b + 16 + 32 * (sub / 2), sub % 2); }
@@ -410,6 +411,7 @@ struct Q5_KFormat {  // d, dmin, scales[12], qh[32] (bit s of qh[j] = 5th bit of
   }
   static constexpr int kA8Block = 256;
   static constexpr bool kSigned = false, kHasMin = true;
+  static constexpr int kQuantOffset = 0;  // quants32 + this = the unsigned quant (AVX2 K-quant tile)
   using A8Scales = KQuantA8Scales;
   static void prepare_a8(const uint8_t* b, A8Scales& s) { k_quant_a8_scales(b, s); }
   static __m256i quants32(const uint8_t* b, int sub) {
@@ -450,6 +452,7 @@ struct Q6_KFormat {  // ql[128], qh[64], scales int8[16] (one per 16 weights), d
   // a8: sub-block `sub` = weights 32 sub .. + 31 (h = sub / 4, r = 32 (sub % 4)); an int8 scale per 16
   static constexpr int kA8Block = 256;
   static constexpr bool kSigned = true, kHasMin = false;
+  static constexpr int kQuantOffset = 32;  // quants32 + 32 = the 6-bit quant, 0..63
   using A8Scales = KQuantA8Scales;
   static void prepare_a8(const uint8_t* b, A8Scales& s) {
     s.d = fp16_to_fp32(b + 208);
