@@ -447,8 +447,10 @@ def write_marker(model_dir: Path, name: str, source_sha256: str, source_gguf: st
     (Path(model_dir) / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
 
-def convert_into_cache(gguf_path: Path, model_dir: Path, source_sha256: str, name: str, progress: bool = True) -> Path:
-    """Convert a GGUF into `model_dir` atomically: build in a temp sibling dir, then rename."""
+def convert_into_cache(gguf_path: Path, model_dir: Path, source_sha256: str, name: str, progress: bool = True,
+                       keep_blocks: bool = True) -> Path:
+    """Convert a GGUF into `model_dir` atomically: build in a temp sibling dir, then rename
+    (keep_blocks=False: every weight dequantized to float32, for engines that read no GGUF blocks)."""
     from specdec.models.gguf import convert_gguf_to_hf_dir
 
     model_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -456,7 +458,7 @@ def convert_into_cache(gguf_path: Path, model_dir: Path, source_sha256: str, nam
     temp_dir = Path(tempfile.mkdtemp(prefix=_temp_prefix(model_dir.name), suffix=".tmp", dir=model_dir.parent))
     temp_dir.chmod(0o755)  # mkdtemp makes it private; a model cache is ordinary shared data
     try:
-        convert_gguf_to_hf_dir(gguf_path, temp_dir, progress=progress)
+        convert_gguf_to_hf_dir(gguf_path, temp_dir, progress=progress, keep_blocks=keep_blocks)
         write_marker(temp_dir, name, source_sha256, source_gguf=str(gguf_path))
         if model_dir.exists():  # incomplete or outdated entry (complete ones never get here)
             _remove_tree(model_dir)
@@ -554,6 +556,8 @@ def add_models_arguments(subparsers) -> argparse.ArgumentParser:
     fetch_parser = actions.add_parser("fetch", help="install, verify and convert a model into the cache")
     fetch_parser.add_argument("name", choices=sorted(MODELS), help="registry model name")
     fetch_parser.add_argument("--force", action="store_true", help="rebuild even if already cached")
+    fetch_parser.add_argument("--float-dir", action="store_true",
+                              help="also write (once) its float32 HF directory beside it, for engines such as vLLM")
     models_parser.set_defaults(func=run_models)
     return models_parser
 
@@ -562,6 +566,10 @@ def run_models(args: argparse.Namespace) -> int:
     """Execute a parsed `models` command; returns the process exit code."""
     if args.models_command == "fetch":
         model_dir = fetch(args.name, progress=True, force=args.force)
+        if args.float_dir:
+            from .float_dir import float_model_dir
+
+            model_dir = float_model_dir(args.name, progress=True)
         print(model_dir)
         return 0
     rows = list_models()
