@@ -70,3 +70,62 @@ def test_vllm_methods_check_their_options_before_starting_vllm(tmp_path, monkeyp
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     with pytest.raises(ValueError, match=message):
         METHODS[method].build(None, options, BenchConfig())
+
+
+@pytest.fixture(scope="module")
+def counter(tmp_path_factory):
+    from train_support import make_counter_target
+
+    return make_counter_target(tmp_path_factory.mktemp("counter") / "model", seed=0)
+
+
+@pytest.mark.parametrize("kind, options, tokens", [
+    ("eagle3", dict(draft_vocab_size=16), 3),
+    ("dflash", dict(block_size=4, num_draft_layers=1), 3),
+    ("dspark", dict(block_size=4, num_draft_layers=1, markov_rank=8), 4),
+])
+def test_speculators_format_wraps_the_layout_and_loads_back(counter, tmp_path, kind, options, tokens):
+    """The keys vLLM's SpeculatorsConfig reads (speculators_config.proposal_methods / verifier,
+    transformer_layer_config, the per-type fields), and specdec reads its own export back unchanged."""
+    import torch
+
+    from specdec.heads.export import (export_dflash, export_dspark, export_eagle3, load_dflash_export,
+                                      load_dspark_export, load_eagle3_export, rewrite_as_speculators)
+    from specdec.train import build_heads
+
+    torch.manual_seed(0)
+    module = build_heads(kind, counter, tokens, **options)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    writers = {"eagle3": (lambda out: export_eagle3(module, out, "float32"), load_eagle3_export),
+               "dflash": (lambda out: export_dflash(module, out, "float32"), load_dflash_export),
+               "dspark": (lambda out: export_dspark(module, counter, out, "float32"), load_dspark_export)}
+    write, load = writers[kind]
+    native = json.loads((write(tmp_path / "out") / "config.json").read_text())
+    rewrite_as_speculators(tmp_path / "out", tokens, "/models/target", ["LlamaForCausalLM"])
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["speculators_model_type"] == kind and config["transformer_layer_config"] == native
+    spec = config["speculators_config"]
+    assert spec["proposal_methods"][0]["speculative_tokens"] == tokens
+    assert spec["verifier"] == {"name_or_path": "/models/target", "architectures": ["LlamaForCausalLM"]}
+    if kind == "eagle3":
+        assert config["draft_vocab_size"] == 16 and config["norm_before_residual"] is False
+    else:  # the format counts the embeddings as layer 0: aux ids = our 0-based target blocks + 1
+        assert config["aux_hidden_state_layer_ids"] == [i + 1 for i in module.target_layer_ids]
+        assert config["mask_token_id"] == module.mask_token_id and config["sample_from_anchor"] == (kind == "dspark")
+    loaded = load(tmp_path / "out", counter)
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_medusa_has_no_speculators_format(tmp_path, capsys):
+    from specdec.heads.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CONFIG_FILE, WEIGHTS_FILE
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / CONFIG_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION,
+                                                      "head": {"kind": "medusa"}, "target": {"name": "x"}}))
+    (checkpoint / WEIGHTS_FILE).write_bytes(b"")
+    assert main(["export", str(checkpoint), str(tmp_path / "out"), "--format", "speculators"]) == 2
+    assert "speculators has no Medusa type" in capsys.readouterr().err and not (tmp_path / "out" / "config.json").exists()
