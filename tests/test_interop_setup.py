@@ -40,10 +40,13 @@ def test_peers_install_of_an_unknown_engine_is_a_usage_error(capsys):
     assert exit_info.value.code == 2 and "invalid choice" in capsys.readouterr().err
 
 
-def test_float_dir_of_a_float_model_is_the_model_itself(tmp_path):
+def test_float_dir_of_a_float_model_is_the_model_itself(tmp_path, capsys):
     model_dir, _ = make_tiny_hf_dir(tmp_path / "tiny", "llama")
     assert not holds_gguf_blocks(model_dir)
     assert float_model_dir(str(model_dir), progress=False) == model_dir
+    assert main(["peers", "float-dir", str(model_dir)]) == 0 and capsys.readouterr().out.strip() == str(model_dir)
+    assert main(["peers", "float-dir", str(tmp_path / "missing")]) == 2
+    assert "specdec: error: unknown model" in capsys.readouterr().err
 
 
 @pytest.mark.slow

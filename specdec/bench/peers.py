@@ -348,6 +348,3 @@ register_method_factory("llama-plain", _build_llama_plain, LLAMA_CPP,
                         help="llama.cpp (llama-cpp-python) plain decoding of the target's GGUF file")
 register_method_factory("llama-lookup", _build_llama_lookup, LLAMA_CPP, reference="llama-plain",
                         help="llama.cpp prompt lookup (LlamaPromptLookupDecoding), compared with llama-plain")
-
-
-from . import peers_vllm as _peers_vllm  # noqa: E402,F401  (registers the vllm-* methods: vLLM in its own venv)

@@ -556,8 +556,6 @@ def add_models_arguments(subparsers) -> argparse.ArgumentParser:
     fetch_parser = actions.add_parser("fetch", help="install, verify and convert a model into the cache")
     fetch_parser.add_argument("name", choices=sorted(MODELS), help="registry model name")
     fetch_parser.add_argument("--force", action="store_true", help="rebuild even if already cached")
-    fetch_parser.add_argument("--float-dir", action="store_true",
-                              help="also write (once) its float32 HF directory beside it, for engines such as vLLM")
     models_parser.set_defaults(func=run_models)
     return models_parser
 
@@ -566,10 +564,6 @@ def run_models(args: argparse.Namespace) -> int:
     """Execute a parsed `models` command; returns the process exit code."""
     if args.models_command == "fetch":
         model_dir = fetch(args.name, progress=True, force=args.force)
-        if args.float_dir:
-            from .float_dir import float_model_dir
-
-            model_dir = float_model_dir(args.name, progress=True)
         print(model_dir)
         return 0
     rows = list_models()

@@ -432,7 +432,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                              "speculators format vLLM reads (EAGLE-3, DFlash, DSpark), a whole model for `vllm serve DIR`")
     parser.add_argument("--verifier", default=None,
                         help="speculators format: the target vLLM should load, a float HF directory (e.g. the path "
-                             "`specdec models fetch NAME --float-dir` prints; default: the checkpoint's target name)")
+                             "`specdec peers float-dir NAME` prints; default: the checkpoint's target name)")
     parser.add_argument("--speculative-tokens", type=int, default=None,
                         help="speculators format: tokens drafted per step (default: 5 for EAGLE-3, the block for DFlash / DSpark)")
 
