@@ -43,10 +43,13 @@ GENERIC_FAILURES = ("Engine core initialization failed",)  # vLLM's wrapper: the
 def root_cause(log: str) -> str:
     """The first exception in the worker's log that is not vLLM's generic wrapper, else its last line."""
     lines = [line.strip() for line in log.splitlines() if line.strip()]
-    for line in lines:
+    for index, line in enumerate(lines):
         match = EXCEPTION_LINE.search(line)
         if match and not any(generic in line for generic in GENERIC_FAILURES):
-            return match.group(1)[:600]
+            cause = match.group(1)
+            if "validation error" in cause and index + 1 < len(lines):  # pydantic: the reason is on the next line
+                cause += ": " + lines[index + 1].split(" [type=", 1)[0]
+            return cause[:600]
     return lines[-1][:600] if lines else "no output"
 
 
