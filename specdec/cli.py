@@ -154,7 +154,8 @@ def _one_line(error: BaseException) -> str:
 
 
 # errors a user causes (bad input, a damaged cache, a missing kernel) that are not ValueError/OSError
-USER_ERRORS = ("ModelCacheError", "ChecksumError", "KernelUnavailable", "ContextLengthError", "KVBudgetError")
+USER_ERRORS = ("ModelCacheError", "ChecksumError", "KernelUnavailable", "ContextLengthError", "KVBudgetError",
+               "PeerInstallError")
 
 
 def main(argv: list[str] | None = None) -> int:

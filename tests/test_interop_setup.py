@@ -132,3 +132,31 @@ def test_medusa_has_no_speculators_format(tmp_path, capsys):
     (checkpoint / WEIGHTS_FILE).write_bytes(b"")
     assert main(["export", str(checkpoint), str(tmp_path / "out"), "--format", "speculators"]) == 2
     assert "speculators has no Medusa type" in capsys.readouterr().err and not (tmp_path / "out" / "config.json").exists()
+
+
+def test_a_failed_install_step_is_one_line_with_pips_error(tmp_path, monkeypatch, capsys):
+    """The failing step's own error line (pip's "ERROR: ..."), a user error of the CLI, and no marker."""
+    import dataclasses
+
+    from specdec.peers import envs
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    broken = dataclasses.replace(envs.VLLM, import_check="import sys; print('ERROR: vllm does not import'); sys.exit(3)")
+    monkeypatch.setattr(envs, "_run_step", _skip_pip(envs._run_step))
+    monkeypatch.setitem(envs.ENGINES, "vllm", broken)
+    assert main(["peers", "install", "vllm"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "specdec: error: checking that vllm imports failed (exit 3): ERROR: vllm does not import"
+    assert broken.marker() is None and broken.status() == "incomplete (run install again)"  # the venv step ran for real
+
+
+def _skip_pip(run_step):
+    """The real step runner, but pip's steps replaced by a no-op command (no network in this test)."""
+    import sys
+
+    def run(description, command, progress):
+        if "pip" in command:
+            command = [sys.executable, "-c", "pass"]
+        return run_step(description, command, progress)
+
+    return run

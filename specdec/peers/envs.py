@@ -20,6 +20,10 @@ from ..paths import MARKER_FILE, cache_root, writing_cache
 PIP_TAIL_LINES = 20  # pip output kept for the error message of a failed step
 
 
+class PeerInstallError(RuntimeError):
+    """A step of an engine's install failed (the message carries pip's own error line)."""
+
+
 @dataclass(frozen=True)
 class EngineEnv:
     """One engine's virtualenv: the pinned requirements and the fixes its install needs here."""
@@ -105,7 +109,7 @@ def _run_step(description: str, command: list[str], progress: bool) -> str:
             print(f"  {line.rstrip()}", file=sys.stderr, flush=True)
     if process.wait() != 0:
         reason = next((line for line in reversed(tail) if line.strip().lower().startswith("error")), tail[-1] if tail else "")
-        raise RuntimeError(f"{description} failed (exit {process.returncode}): {reason.strip()}")
+        raise PeerInstallError(f"{description} failed (exit {process.returncode}): {reason.strip()}")
     return "".join(output)
 
 
