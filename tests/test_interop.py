@@ -11,8 +11,8 @@ decoding"); test_vllm_cpu_refuses_dspark keeps that finding checked.
 The bound: both sides run the very same weights (the fp32 export vLLM rounds to bf16) and the
 same greedy rule, so a drafted token can only differ where the drafter's top-2 logits are within
 the arithmetic's rounding: bf16 keeps 8 significant bits (relative error 2^-9 per value), which
-over a drafter's few matmuls moves its logits by ~1% of their scale. The counter's drafters are
-confident (trained to top-1 agreement > 0.9), so few drafted tokens sit that close; each flip
+over a drafter's few matmuls moves its logits by ~1% of their scale. The drafters here learn a
+deterministic cycle, so few drafted tokens sit that close; each flip
 changes one draft's accepted count by at most the draft length K. Allowing 0.1 * K accepted
 tokens per draft (one flip in every ten drafts, at the worst position) covers that and still
 fails a wrongly wired drafter, which accepts by chance (~K / 21 on the counter's 21 cycle tokens)

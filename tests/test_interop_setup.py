@@ -160,3 +160,21 @@ def _skip_pip(run_step):
         return run_step(description, command, progress)
 
     return run
+
+
+def test_bench_reports_vllm_peers_na_with_how_to_install(tmp_path, monkeypatch):
+    """Without the vLLM venv the vllm-* methods are n/a with the install command; the rest still run,
+    and vllm-ngram's reference vllm-plain is added to the run."""
+    from specdec.bench import BenchConfig, run_benchmark
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    model_dir, _ = make_tiny_hf_dir(tmp_path / "tiny", "llama")
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["abc"]}) + "\n")
+    config = BenchConfig(methods=["plain", "vllm-ngram"], target=str(model_dir), questions_path=str(questions),
+                         limit_per_kind=1, max_new_tokens=4, out_dir=str(tmp_path / "out"), progress=False, warmup=False)
+    result = run_benchmark(config)
+    status = {m["label"]: (m["status"], m["reason"]) for m in result.methods}
+    assert list(status) == ["plain", "vllm-plain", "vllm-ngram"] and status["plain"][0] == "ok"
+    for label in ("vllm-plain", "vllm-ngram"):
+        assert status[label][0] == "n/a" and "specdec peers install vllm" in status[label][1]
