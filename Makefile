@@ -5,7 +5,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test bench clean-venv
+.PHONY: venv demo test test-interop bench clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -22,6 +22,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m pytest -q --durations=15
+
+# acceptance parity with vLLM CPU: installs vLLM into its own venv under the cache first (once)
+test-interop: $(STAMP)
+	$(VPY) -m specdec.cli peers install vllm
+	$(VPY) -m pytest -q -m interop --durations=15 tests/test_interop.py
 
 bench: $(STAMP)
 	$(VPY) -m specdec.cli bench --target qwen2.5-coder-1.5b --limit-per-category 3 --max-new-tokens 128

@@ -1,4 +1,4 @@
-"""`specdec generate | models | drafters | theory | profile | bench | datastore | serve | train | export`."""
+"""`specdec generate | models | drafters | theory | profile | bench | datastore | serve | train | export | peers`."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "serve": ("specdec.server.serve", "add_serve_arguments", "run_serve", "OpenAI-compatible HTTP server"),
     "train": ("specdec.train.cli", "add_train_arguments", "run_train", "train drafters (medusa, mtp, eagle1, eagle3, dflash, dspark) and make their data"),
     "export": ("specdec.train.cli", "add_export_arguments", "run_export", "write a trained drafter in SGLang / vLLM layout"),
+    "peers": ("specdec.peers.cli", "add_peers_arguments", "run_peers", "install and locate other engines (vLLM) in their own virtualenvs"),
 }
 
 
@@ -153,7 +154,8 @@ def _one_line(error: BaseException) -> str:
 
 
 # errors a user causes (bad input, a damaged cache, a missing kernel) that are not ValueError/OSError
-USER_ERRORS = ("ModelCacheError", "ChecksumError", "KernelUnavailable", "ContextLengthError", "KVBudgetError")
+USER_ERRORS = ("ModelCacheError", "ChecksumError", "KernelUnavailable", "ContextLengthError", "KVBudgetError",
+               "PeerInstallError")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,9 +28,10 @@ AGREEMENT_LIMIT = 0.9  # held-out top-1 agreement of head 1 after training
 FLOAT16_REL = 2e-3  # stored hidden states are float16 (each value rounded to 2^-11 of itself) from batched forwards
 
 
-def make_counter_target(path, seed: int = 0, logit_gap: float = 2.5):
-    """A tiny Llama whose greedy output is the cycle 3..V-1 (p(next in cycle) ~ 0.25 at temperature 1)."""
-    _, model = make_tiny_hf_dir(path, "llama", seed=seed, vocab_size=VOCAB)
+def make_counter_target(path, seed: int = 0, logit_gap: float = 2.5, **overrides):
+    """A tiny Llama whose greedy output is the cycle 3..V-1 (p(next in cycle) ~ 0.25 at temperature 1);
+    `overrides`: config fields (e.g. a head_dim vLLM's CPU attention supports)."""
+    _, model = make_tiny_hf_dir(path, "llama", seed=seed, vocab_size=VOCAB, **overrides)
     hidden_size = model.config.hidden_size
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from .methods import METHODS, BenchMethod, MethodEntry, MethodOutput, MethodUnavailable, PeerSource, register_method_factory
 from . import peers as _peers  # noqa: F401  (registers the hf-* and llama-* methods)
+from . import peers_vllm as _peers_vllm  # noqa: F401  (registers the vllm-* methods: vLLM in its own venv)
 from .environment import bench_command, machine_record
 from .questions import TASK_KINDS, Question, default_questions_path, load_questions, select_questions
 from .report import BASELINE, method_summary_rows, write_reports

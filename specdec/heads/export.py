@@ -23,6 +23,20 @@ DSpark directory (`export_dspark`, read back by `load_dspark_export`), DeepSpec'
                        embed_tokens / lm_head (copies of the target's, which DeepSpec's class holds)
 Medusa directory (`export_medusa`): vLLM's MedusaModel — blocks.{k}.layers.{j}.{weight,bias} and
 lm_heads.{k}.weight (a copy of the target's LM head: our heads read it frozen).
+Speculators format (`--format speculators`, `speculators_export_config`), what vLLM reads for
+`speculators_model_type` eagle3 / dflash / dspark (not Medusa): the same model.safetensors as the
+layout above, and a config.json whose `transformer_layer_config` is that layout's config, with
+    speculators_model_type  eagle3 | dflash | dspark
+    speculators_config      {algorithm, proposal_methods [{proposal_type greedy, speculative_tokens}],
+                             default_proposal_method greedy, verifier {name_or_path, architectures}}
+    eagle3                  draft_vocab_size, norm_before_residual false (ours adds the residual to the
+                            un-normed input; the format's default is true), norm_before_fc false
+    dflash / dspark         aux_hidden_state_layer_ids (= target_layer_ids + 1: the format counts the
+                            embeddings as layer 0), mask_token_id, block_size, sample_from_anchor (DFlash: false,
+                            the anchor is the bonus token; DSpark: true, its anchor row predicts); dspark: markov_rank, markov_head_type,
+                            enable_confidence_head, confidence_head_with_markov
+A speculators directory alone is a whole model for vLLM: `vllm serve DIR` / `LLM(model=DIR)` runs
+the verifier it names with the drafter; `name_or_path` must then be a float HF directory vLLM loads.
 """
 
 from __future__ import annotations
@@ -190,13 +204,65 @@ def export_medusa(heads: MedusaHeads, target, out_dir: str | Path, dtype: str = 
     return _write_directory(Path(out_dir), config, tensors)
 
 
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config format this writes
+SPECULATORS_TYPES = {EAGLE3_ARCHITECTURE: "eagle3", DFLASH_ARCHITECTURE: "dflash", DSPARK_ARCHITECTURE: "dspark"}
+
+
+def speculators_export_config(layer_config: dict, speculative_tokens: int, verifier: str,
+                              verifier_architectures: list[str]) -> dict:
+    """The speculators-format config.json around one of our layouts' configs (`layer_config`)."""
+    architecture = layer_config["architectures"][0]
+    kind = SPECULATORS_TYPES.get(architecture)
+    if kind is None:
+        raise ValueError(f"vLLM reads no speculators format for {architecture}; kinds: {', '.join(SPECULATORS_TYPES.values())}")
+    config = {
+        "architectures": [architecture],
+        "speculators_model_type": kind,
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": kind,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
+        },
+        "transformer_layer_config": layer_config,
+        "torch_dtype": layer_config.get("torch_dtype"),
+    }
+    if kind == "eagle3":
+        config.update(draft_vocab_size=layer_config["draft_vocab_size"], norm_before_residual=False, norm_before_fc=False)
+        return config
+    target_layer_ids = (layer_config.get("dflash_config") or layer_config)["target_layer_ids"]
+    mask_token_id = (layer_config.get("dflash_config") or layer_config)["mask_token_id"]
+    config.update(aux_hidden_state_layer_ids=[int(i) + 1 for i in target_layer_ids], mask_token_id=mask_token_id,
+                  block_size=layer_config["block_size"], draft_vocab_size=layer_config["vocab_size"],
+                  sample_from_anchor=kind == "dspark")
+    if kind == "dspark":
+        config.update({key: layer_config[key] for key in ("markov_rank", "markov_head_type", "enable_confidence_head",
+                                                           "confidence_head_with_markov", "confidence_temperatures")})
+    return config
+
+
+def rewrite_as_speculators(out_dir: Path, speculative_tokens: int, verifier: str, verifier_architectures: list[str]) -> Path:
+    """Turn an export of ours in `out_dir` into the speculators format (its config.json wrapped, weights as they are)."""
+    layer_config = json.loads((Path(out_dir) / CONFIG_FILE).read_text())
+    config = speculators_export_config(layer_config, speculative_tokens, verifier, verifier_architectures)
+    write_text_atomic(Path(out_dir) / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+    return Path(out_dir)
+
+
+def export_config(directory: Path) -> dict:
+    """An export's own config: a speculators-format directory's `transformer_layer_config`, else config.json."""
+    config = json.loads((Path(directory) / CONFIG_FILE).read_text())
+    return config["transformer_layer_config"] if "speculators_model_type" in config else config
+
+
 def _architectures(directory: Path) -> list[str]:
-    config_path = Path(directory) / CONFIG_FILE
-    if not config_path.is_file():
+    if not (Path(directory) / CONFIG_FILE).is_file():
         return []
     try:
-        return list(json.loads(config_path.read_text()).get("architectures") or [])
-    except (json.JSONDecodeError, AttributeError):
+        return list(export_config(directory).get("architectures") or [])
+    except (json.JSONDecodeError, AttributeError, KeyError, TypeError):
         return []
 
 
@@ -241,7 +307,7 @@ def _load_into(module: torch.nn.Module, state: dict[str, torch.Tensor], director
 def load_dflash_export(directory: str | Path, target) -> DFlashModule:
     """A DFlashDraftModel directory (ours or a published one for this target) as a module on the target's device / dtype."""
     directory = Path(directory)
-    config = json.loads((directory / CONFIG_FILE).read_text())
+    config = export_config(directory)
     cfg = target.config
     wrong = _target_shape_mismatch(config, cfg)
     dflash = config.get("dflash_config") or {}
@@ -267,7 +333,7 @@ def load_dflash_export(directory: str | Path, target) -> DFlashModule:
 def load_eagle3_export(directory: str | Path, target) -> Eagle3Module:
     """An EAGLE-3 directory (ours or a published one for this target) as a module on the target's device / dtype."""
     directory = Path(directory)
-    config = json.loads((directory / CONFIG_FILE).read_text())
+    config = export_config(directory)
     cfg = target.config
     wrong = _target_shape_mismatch(config, cfg)
     if wrong:
@@ -295,7 +361,7 @@ def load_dspark_export(directory: str | Path, target) -> DSparkModule:
     module on the target's device / dtype; its embed_tokens / lm_head copies are dropped (the
     target's own are used)."""
     directory = Path(directory)
-    config = json.loads((directory / CONFIG_FILE).read_text())
+    config = export_config(directory)
     cfg = target.config
     wrong = _target_shape_mismatch(config, cfg)
     if config.get("num_target_layers", cfg.num_hidden_layers) != cfg.num_hidden_layers:

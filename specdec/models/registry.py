@@ -449,8 +449,10 @@ def write_marker(model_dir: Path, name: str, source_sha256: str, source_gguf: st
     (Path(model_dir) / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
 
-def convert_into_cache(gguf_path: Path, model_dir: Path, source_sha256: str, name: str, progress: bool = True) -> Path:
-    """Convert a GGUF into `model_dir` atomically: build in a temp sibling dir, then rename."""
+def convert_into_cache(gguf_path: Path, model_dir: Path, source_sha256: str, name: str, progress: bool = True,
+                       keep_blocks: bool = True) -> Path:
+    """Convert a GGUF into `model_dir` atomically: build in a temp sibling dir, then rename
+    (keep_blocks=False: every weight dequantized to float32, for engines that read no GGUF blocks)."""
     from specdec.models.gguf import convert_gguf_to_hf_dir
 
     model_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -458,7 +460,7 @@ def convert_into_cache(gguf_path: Path, model_dir: Path, source_sha256: str, nam
     temp_dir = Path(tempfile.mkdtemp(prefix=_temp_prefix(model_dir.name), suffix=".tmp", dir=model_dir.parent))
     temp_dir.chmod(0o755)  # mkdtemp makes it private; a model cache is ordinary shared data
     try:
-        convert_gguf_to_hf_dir(gguf_path, temp_dir, progress=progress)
+        convert_gguf_to_hf_dir(gguf_path, temp_dir, progress=progress, keep_blocks=keep_blocks)
         write_marker(temp_dir, name, source_sha256, source_gguf=str(gguf_path))
         if model_dir.exists():  # incomplete or outdated entry (complete ones never get here)
             _remove_tree(model_dir)

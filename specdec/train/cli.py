@@ -22,6 +22,7 @@ Then: `specdec generate "..." --drafter medusa --drafter-arg checkpoint=ckpt/med
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -446,6 +447,28 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: the name stored in the checkpoint)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier specdec export in OUT_DIR")
+    parser.add_argument("--format", choices=["native", "speculators"], default="native",
+                        help="native: the layout the drafter's own engines load (default); speculators: the "
+                             "speculators format vLLM reads (EAGLE-3, DFlash, DSpark), a whole model for `vllm serve DIR`")
+    parser.add_argument("--verifier", default=None,
+                        help="speculators format: the target vLLM should load, a float HF directory (e.g. the path "
+                             "`specdec peers float-dir NAME` prints; default: the checkpoint's target name)")
+    parser.add_argument("--speculative-tokens", type=int, default=None,
+                        help="speculators format: tokens drafted per step (default: 5 for EAGLE-3, the block for DFlash / DSpark)")
+
+
+def _as_speculators(args, out: Path, target_name: str, default_tokens: int) -> None:
+    """--format speculators: wrap the export's config for vLLM (weights unchanged); print how to run it."""
+    if args.format != "speculators":
+        return
+    from ..heads.export import rewrite_as_speculators
+
+    verifier = args.verifier or target_name
+    verifier_config = Path(verifier) / "config.json"
+    architectures = json.loads(verifier_config.read_text()).get("architectures", []) if verifier_config.is_file() else []
+    tokens = args.speculative_tokens or default_tokens
+    rewrite_as_speculators(out, tokens, verifier, architectures)
+    print(f"  speculators format (verifier {verifier}, {tokens} tokens): vllm serve {out}   |   LLM(model={str(out)!r})")
 
 
 def run_export(args) -> int:
@@ -464,6 +487,11 @@ def run_export(args) -> int:
     if kind not in ("eagle3", "dflash", "dspark", "medusa"):
         raise ValueError(f"{args.checkpoint} holds {kind!r} heads; exports exist for EAGLE-3, DFlash and DSpark drafters and "
                          "Medusa heads (train with `specdec train eagle3|dflash|dspark|medusa`)")
+    if args.format == "speculators" and kind == "medusa":
+        raise ValueError("vLLM reads Medusa heads only in its MedusaModel layout (speculators has no Medusa type): "
+                         "export them without --format speculators")
+    if args.speculative_tokens is not None and args.speculative_tokens < 1:
+        raise ValueError(f"--speculative-tokens must be >= 1, got {args.speculative_tokens}")
     from ..heads import check_target_matches
     from ..heads.checkpoint import WEIGHTS_FILE, load_weights
 
@@ -476,6 +504,7 @@ def run_export(args) -> int:
               f"  sglang: python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 "
               f"--speculative-draft-model-path {out}\n"
               f"  vllm:   LLM(model=TARGET, speculative_config={json.dumps({'method': 'eagle3', 'model': str(out), 'num_speculative_tokens': 5})})")
+        _as_speculators(args, out, config["target"]["name"], 5)
         return 0
     if kind == "dflash":  # like EAGLE-3, the module carries its own (Qwen3) config
         heads = HEAD_TYPES[kind].from_config(config["head"], None)
@@ -486,6 +515,7 @@ def run_export(args) -> int:
               f"  sglang: python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH "
               f"--speculative-draft-model-path {out}\n"
               f"  vllm:   LLM(model=TARGET, speculative_config={json.dumps(spec)})")
+        _as_speculators(args, out, config["target"]["name"], heads.num_positions)
         return 0
     args.model = args.model or config["target"]["name"]
     target = _load_target(args)
@@ -494,9 +524,13 @@ def run_export(args) -> int:
     heads.load_state_dict(state)
     if kind == "dspark":  # DeepSpec's layout carries copies of the target's embeddings and LM head
         export_dspark(heads, target, out, args.dtype)
+        spec = {"method": "dspark", "model": str(out), "num_speculative_tokens": heads.num_positions}
         print(f"DSpark drafter for {config['target']['name']!r} in DeepSpec's layout in {out} "
-              f"(load back: --drafter dspark --drafter-arg checkpoint={out})")
+              f"(load back: --drafter dspark --drafter-arg checkpoint={out})\n"
+              f"  vllm:   LLM(model=TARGET, speculative_config={json.dumps(spec)})")
+        _as_speculators(args, out, config["target"]["name"], heads.num_positions)
         return 0
     export_medusa(heads, target, out, args.dtype)
-    print(f"Medusa heads in vLLM's layout in {out}")
+    spec = {"method": "medusa", "model": str(out), "num_speculative_tokens": heads.num_positions}
+    print(f"Medusa heads in vLLM's layout in {out}\n  vllm:   LLM(model=TARGET, speculative_config={json.dumps(spec)})")
     return 0
