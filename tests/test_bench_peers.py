@@ -11,9 +11,11 @@ from dataclasses import replace
 import pytest
 
 from specdec import generate
-from specdec.bench import BenchConfig, CallableMethod, PeerSource, register_method_factory, run_benchmark, unregister_method
+from specdec.bench import (BenchConfig, CallableMethod, PeerRuntime, PeerSource, register_method_factory, run_benchmark,
+                           unregister_method)
 from specdec.bench.peers import LLAMA_CPP, LLAMA_CPP_INSTALL, TRANSFORMERS, LlamaCppTarget, gguf_file_of
 from specdec.bench.runner import resolve_method
+from specdec.drafters import make_drafter
 from specdec.models.registry import fetch_gguf
 
 # copyable context, so that prompt lookup has something to draft from
@@ -142,6 +144,54 @@ def test_a_method_is_compared_with_its_own_reference(smollm2, tmp_path, one_ques
                                       got=(reference_tokens[2] + 1) % smollm2.vocab_size, exact=True)]
     assert "FAIL: 1/1 differ from own-reference-test" in result.markdown
     assert "first difference at output position 2: own-reference-test" in capsys.readouterr().err
+
+
+class _OneEngineAtATime(PeerRuntime):
+    """A runtime whose methods each hold an engine (as vLLM's do): the native target stands in for it."""
+
+    name = "one-engine-test"
+    methods_at_once = False
+
+    def __init__(self, target):
+        self.target = target
+
+    def load(self, source, config):
+        return self.target
+
+
+def test_engine_per_method_runtimes_run_their_methods_one_at_a_time_reference_first(smollm2, tmp_path, one_question):
+    alive, most_alive = set(), [0]
+
+    class Engine(CallableMethod):
+        def __init__(self, function, target):
+            super().__init__(function, target, False, function.__name__)
+            alive.add(self)
+            most_alive[0] = max(most_alive[0], len(alive))
+
+        def close(self):
+            alive.discard(self)
+
+    def engine_plain(target, prompt_ids, max_new_tokens, sampling):
+        return generate(target, prompt_ids, None, max_new_tokens, sampling).tokens, None
+
+    def engine_pld(target, prompt_ids, max_new_tokens, sampling):
+        return generate(target, prompt_ids, make_drafter("pld", target), max_new_tokens, sampling).tokens, None
+
+    runtime = _OneEngineAtATime(smollm2)
+    register_method_factory("engine-plain-test", lambda target, options, config: Engine(engine_plain, target), runtime)
+    register_method_factory("engine-pld-test", lambda target, options, config: Engine(engine_pld, target), runtime,
+                            reference="engine-plain-test")
+    try:  # listed after the method compared with it: the reference must still run first
+        config = _config(tmp_path, one_question, ["plain", "engine-pld-test", "engine-plain-test"], max_new_tokens=16)
+        result = run_benchmark(config, target=smollm2)
+    finally:
+        unregister_method("engine-plain-test")
+        unregister_method("engine-pld-test")
+    assert most_alive[0] == 1 and not alive  # never two engines at once, each closed
+    rows = {row["method"]: row for row in result.rows}
+    assert rows["engine-pld-test"]["reference"] == "engine-plain-test"
+    assert rows["engine-pld-test"]["matches_plain"] is True  # compared: the reference's output was there
+    assert result.exit_code == 0
 
 
 # ---------------------------------------------------------------------------- llama.cpp (optional extra)

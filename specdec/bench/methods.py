@@ -53,6 +53,10 @@ class PeerRuntime(ABC):
     """Another library's copy of the target, shared by that library's peers (loaded once per run)."""
 
     name: str = ""  # "transformers", "llama.cpp" (shown in the report)
+    # False: each method holds a whole engine of its own (vLLM: one LLM(...) per method), so the
+    # runner runs this runtime's methods one after another, the reference first, each freed before
+    # the next is built (several engines of a large target at once do not fit in memory)
+    methods_at_once: bool = True
 
     def missing(self) -> str | None:
         """Why this runtime cannot run here at all (a package not installed: how to get it), else None.

@@ -53,6 +53,7 @@ class VllmTarget:
 
 class VllmRuntime(PeerRuntime):
     name = "vllm"
+    methods_at_once = False  # every method is its own engine
 
     def missing(self) -> str | None:
         from ..peers.envs import VLLM

@@ -216,7 +216,7 @@ def markdown_table(summary: dict, config: dict, title: bool = True) -> str:
     lines.extend(_source_table(summary))
     if notes:
         lines.append(f"For peers ({', '.join(notes)}) τ = tokens per target forward (a transformers forward call, a "
-                     "llama.cpp eval call); a peer's output differing from its reference is a warning only (another "
+                     "llama.cpp eval call; vLLM's from its spec-decode counters: tokens / (tokens - accepted)); a peer's output differing from its reference is a warning only (another "
                      "library's arithmetic).")
     lines.extend(note for note in own_speed if note)
     return "\n".join(lines)

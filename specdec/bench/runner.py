@@ -7,8 +7,9 @@ Order of work:
        in turn (interleaved, so machine drift hits all alike; both turns for multi-turn
        questions; turn 2 follows the method's own turn-1 answer, as in Spec-Bench)
     3. free them; phase 2, the peers, one runtime at a time: load its copy of the target (a
-       transformers model for `hf-*`, llama.cpp on the GGUF file for `llama-*`), run its peers
-       interleaved the same way, free it
+       transformers model for `hf-*`, llama.cpp on the GGUF file for `llama-*`, vLLM's worker for
+       `vllm-*`), run its peers interleaved the same way (a runtime whose methods each hold an
+       engine, vLLM's: one method at a time, its reference first), free it
     4. greedy runs: every output is compared with its method's reference (plain decoding; for
        llama-lookup llama.cpp's own plain decoding), question by question and turn by turn; a
        specdec method that differs fails the run (exit code 1), a peer only warns
@@ -27,7 +28,8 @@ import traceback
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .methods import METHODS, BenchMethod, MethodEntry, MethodOutput, MethodUnavailable, PeerSource, register_method_factory
+from .methods import (METHODS, BenchMethod, MethodEntry, MethodOutput, MethodUnavailable, PeerRuntime, PeerSource,
+                      register_method_factory)
 from . import peers as _peers  # noqa: F401  (registers the hf-* and llama-* methods)
 from . import peers_vllm as _peers_vllm  # noqa: F401  (registers the vllm-* methods: vLLM in its own venv)
 from .environment import bench_command, machine_record
@@ -211,6 +213,16 @@ def _peer_groups(specs: list[MethodSpec], entries: dict[str, MethodEntry], targe
     return sorted(groups.items(), key=lambda item: not item[0].reuses(target))
 
 
+def _method_batches(runtime: PeerRuntime, group: list[MethodSpec], entries: dict[str, MethodEntry]) -> list[list[MethodSpec]]:
+    """The peer methods of one runtime as they run: all together (question by question in turn), or,
+    for a runtime whose methods each hold an engine, one at a time with the references first (their
+    outputs are what the others are compared with)."""
+    if runtime.methods_at_once:
+        return [group]
+    references = {entries[spec.label].reference for spec in group}
+    return [[spec] for spec in sorted(group, key=lambda spec: spec.label not in references)]
+
+
 def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
     """Run the benchmark; pass an already loaded `target` to skip loading `config.target`."""
     specs = [MethodSpec.parse(text) for text in config.methods if text.strip()]
@@ -265,7 +277,8 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
             run.unavailable(group, entries, str(why))
             continue
         try:
-            run.methods_on(group, entries, peer_target)
+            for batch in _method_batches(runtime, group, entries):
+                run.methods_on(batch, entries, peer_target)
         finally:
             peer_target = None
             gc.collect()
