@@ -64,8 +64,10 @@ def test_a_new_request_starts_from_the_population_the_copies_share():
 
 
 def test_options_and_bad_input():
-    options = drafter_options("auto", ["methods=suffix+hybrid", "model=small-model", "model-options=gamma=3", "warmup=1"])
-    assert options == {"methods": "suffix+hybrid", "model": "small-model", "model_options": "gamma=3", "warmup": 1}
+    options = drafter_options("auto", ["methods=suffix+hybrid", "model=small-model", "model-options=gamma=3", "warmup=1",
+                                       "population-decay=0.5"])
+    assert options == {"methods": "suffix+hybrid", "model": "small-model", "model_options": "gamma=3", "warmup": 1,
+                       "population_decay": 0.5}
     for bad, message in (({"methods": "pld,pld"}, "distinct"), ({"methods": "auto"}, "not auto"), ({"methods": "plain"}, "not auto"),
                          ({"model_options": "gamma=2"}, "without a model"), ({"decay": 0.0}, "decay"),
                          ({"population_decay": 1.5}, "population_decay"),
