@@ -10,7 +10,7 @@ from test_sampled_tree import FIRST, LEAD_IN
 
 from specdec import generate, generate_batch, make_drafter
 from specdec.drafters import drafter_options
-from specdec.drafters.auto import AutoDrafter
+from specdec.drafters.auto import AutoDrafter, Earnings
 from specdec.stats import SpecStats
 
 MAX_NEW = 24
@@ -26,7 +26,7 @@ def test_choice_follows_the_measured_rates_and_explores_the_stalest_arm():
     assert picks == ["plain", "plain", "pld", "pld", "suffix", "suffix"]
     rates = {"plain": (10.0, 100.0), "pld": (30.0, 110.0), "suffix": (12.0, 100.0)}  # (tokens, ms)
     for step, arm in enumerate(auto.arms):
-        arm.tokens, arm.ms = rates[arm.name]
+        arm.earned = Earnings(*rates[arm.name], 1.0)
         arm.last_run = 5 - step
     auto.step = 7
     assert auto.choose().name == "pld"  # 0.27 tokens/ms beats 0.12 and 0.1
@@ -34,11 +34,43 @@ def test_choice_follows_the_measured_rates_and_explores_the_stalest_arm():
     assert auto.choose().name == "suffix"
 
 
+def test_a_new_request_starts_from_the_population_the_copies_share():
+    """Earnings any copy records feed the one population of its drafter (not another drafter's); a
+    request begun later warms up only the arms the population has not measured and starts from
+    the population's rates."""
+    auto, other = AutoDrafter(None, methods="pld,suffix", warmup=2), AutoDrafter(None, methods="pld,suffix")
+    first, second = auto.for_sequence(), auto.for_sequence()  # a batch of two
+    for seq in (first, second):
+        seq.begin([1, 2, 3, 1, 2], None)
+        assert [arm.name for arm in seq.warming] == ["plain", "pld", "suffix"]  # nothing measured yet
+    plain, pld, _ = first.arms
+    plain.population.add(1, 10.0, auto.population_decay)  # 0.1 tokens / ms
+    second.arms[1].population.add(6, 20.0, auto.population_decay)  # 0.3 tokens / ms
+    for index, arm in enumerate(auto.arms):
+        assert arm.population is first.arms[index].population is second.arms[index].population
+        assert arm.population is not other.arms[index].population and other.arms[index].population.steps == 0
+    assert pld.population.rate() == pytest.approx(0.3) and pld.earned.steps == 0  # the request's own stay its own
+    later = auto.for_sequence()
+    later.begin([1, 2, 3, 1, 2], None)
+    assert [arm.name for arm in later.warming] == ["suffix"]  # only the unmeasured arm warms up
+    later.arms[2].earned = Earnings(1.0, 10.0, 1.0)  # as its warm-up measured it
+    assert [later.choose().name for later.step in range(3)] == ["suffix", "suffix", "pld"]
+    assert later.arms[1].rate() == pytest.approx(0.3) and later.arms[1].earned.steps == 1.0  # weighted as one step
+    suffix = later.arms[2]
+    suffix.population.add(2, 10.0, auto.population_decay)
+    fresh_start = auto.for_sequence()
+    fresh_start.begin([1, 2, 3, 1, 2], None)
+    assert fresh_start.warming == [] and fresh_start.choose().name == "pld"  # no warm-up: the best arm at once
+
+
 def test_options_and_bad_input():
-    options = drafter_options("auto", ["methods=suffix+hybrid", "model=small-model", "model-options=gamma=3", "warmup=1"])
-    assert options == {"methods": "suffix+hybrid", "model": "small-model", "model_options": "gamma=3", "warmup": 1}
+    options = drafter_options("auto", ["methods=suffix+hybrid", "model=small-model", "model-options=gamma=3", "warmup=1",
+                                       "population-decay=0.5"])
+    assert options == {"methods": "suffix+hybrid", "model": "small-model", "model_options": "gamma=3", "warmup": 1,
+                       "population_decay": 0.5}
     for bad, message in (({"methods": "pld,pld"}, "distinct"), ({"methods": "auto"}, "not auto"), ({"methods": "plain"}, "not auto"),
                          ({"model_options": "gamma=2"}, "without a model"), ({"decay": 0.0}, "decay"),
+                         ({"population_decay": 1.5}, "population_decay"),
                          ({"explore_every": 1}, "explore_every"), ({"methods": "nope"}, "unknown drafter")):
         with pytest.raises(ValueError, match=message):
             make_drafter("auto", None, **bad)
@@ -64,6 +96,25 @@ def test_greedy_equals_plain_and_the_stats_name_the_methods(smollm2, smollm2_bf1
     assert sum(total.accepted_by_source.values()) == total.accepted_tokens
     methods = {name.split(":")[0] for name in total.drafted_by_source}
     assert "small-model" in methods and len(methods) >= 2 and methods <= {"suffix", "pld", "hybrid", "small-model"}
+
+
+@pytest.mark.slow
+def test_a_second_request_skips_the_warm_up_and_greedy_still_equals_plain(smollm2):
+    """The first requests (a batch, then one alone) warm every arm up and feed the drafter's one
+    population; a request begun after them warms nothing up and starts with the arm that earned most."""
+    prompts = [PROMPTS[0], copy_prompts()[1]]
+    plain = [generate(smollm2, prompt, None, max_new_tokens=48).tokens for prompt in prompts]
+    drafter = make_drafter("auto", smollm2, methods="pld,suffix", warmup=2)
+    untouched = make_drafter("auto", smollm2, methods="pld,suffix", warmup=2)
+    assert [result.tokens for result in generate_batch(smollm2, prompts, drafter, max_new_tokens=48)] == plain
+    assert all(arm.population.steps > 0 for arm in drafter.arms)  # both sequences' steps, in one record per arm
+    assert all(arm.population.steps == 0 for arm in untouched.arms)
+    assert generate(smollm2, prompts[1], drafter, max_new_tokens=48).tokens == plain[1]
+    best = max(drafter.arms, key=lambda arm: arm.population.rate()).name
+    later = drafter.for_sequence()
+    later.begin(plain[1], smollm2)
+    assert later.warming == [] and later.choose().name == best
+    assert generate(smollm2, prompts[0], drafter, max_new_tokens=48).tokens == plain[0]
 
 
 def test_sampling_keeps_the_target_distribution(markov_pair):  # noqa: F811

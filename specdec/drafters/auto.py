@@ -10,17 +10,27 @@ What an arm earns is measured, not modelled: after the verify, the arm that draf
 tokens the step emitted (its accepted draft tokens + the bonus) and the step's wall time, from the
 start of its drafting to the drafter's `on_verified` (drafting + the verify forward + commit: the
 step cost on this machine, at this batch size), both as exponentially decayed sums (`decay` per
-step the arm runs); its rate is tokens / ms. An arm's first step is not timed (a draft model
-prefills the prompt then). The choice: every arm runs `warmup` steps in turn (plain first unless
-`methods` lists `plain` elsewhere), then
-the arm with the best rate runs, except that every `explore_every`-th step the arm measured longest
-ago runs once, so a method whose fortunes change (a repetitive stretch for retrieval) is found again.
+step the arm runs); its rate is tokens / ms. An arm's first step in a request is not timed (a draft
+model prefills the prompt then). The choice: every arm runs `warmup` steps in turn (plain first
+unless `methods` lists `plain` elsewhere), then the arm with the best rate runs, except that every
+`explore_every`-th step the arm measured longest ago runs once, so a method whose fortunes change
+(a repetitive stretch for retrieval) is found again.
+
+Across requests (the way AutoBudget's population prior learns across sequences): every timed step
+also feeds the arm's population earnings (decayed by `population_decay`), one object that the
+drafter and all its for_sequence() copies share, so the sequences of a batch and the server's later
+requests learn from each other; separate drafter objects share nothing. A request starts each arm
+from its population rate, weighted as one step (its own steps soon outweigh it), and only arms
+without a population estimate warm up: a fresh drafter's first requests warm up every arm as above,
+later ones go straight to the arm that earned most, and exploration still re-measures the others.
+A short request thus pays no warm-up it cannot earn back.
 
 Exactness: each step's draft is one arm's own draft through the one verification, and which arm
-drafts depends only on earlier steps' measurements, never on this step's tokens (non-anticipation,
-budget.py), so greedy equals plain and sampling keeps the target's distribution. Wall-time
-measurements make the choices differ from run to run, so a seeded sampled run need not repeat
-token for token (its distribution is always exactly the target's).
+drafts depends only on earlier steps' measurements (this request's, and the population's as the
+request began), never on this step's tokens (non-anticipation, budget.py), so greedy equals
+plain and sampling keeps the target's distribution. Wall-time measurements make the choices differ
+from run to run, so a seeded sampled run need not repeat token for token (its distribution is
+always exactly the target's).
 
 What it chose: each node is credited (Draft.sources) to its arm, or "hybrid:SOURCE" for the hybrid's
 nodes, so `--stats` and bench results show accepted / drafted per method; steps that drafted
@@ -33,7 +43,7 @@ import copy
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..checks import check_int
 from ..draft import Draft
@@ -43,20 +53,48 @@ from .hybrid import HybridDrafter, sub_drafter_options
 PLAIN = "plain"
 
 
+def _check_decay(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+@dataclass
+class Earnings:
+    """Decayed sums over an arm's timed steps: tokens emitted, wall ms, and the steps' weight."""
+
+    tokens: float = 0.0
+    ms: float = 0.0
+    steps: float = 0.0
+
+    def add(self, tokens: int, ms: float, decay: float) -> None:
+        self.tokens = decay * self.tokens + tokens
+        self.ms = decay * self.ms + ms
+        self.steps = decay * self.steps + 1.0
+
+    def rate(self) -> float:
+        """Tokens per ms; unmeasured earnings rank first (the arm must be tried)."""
+        return self.tokens / self.ms if self.ms > 0 else math.inf
+
+    def one_step(self) -> Earnings:
+        """The same rate, weighted as one step (a new sequence's start, which its own steps outweigh soon)."""
+        return Earnings(self.tokens / self.steps, self.ms / self.steps, 1.0) if self.steps else Earnings()
+
+
 @dataclass
 class ArmRecord:
-    """One method's measured earnings in this request (decayed sums over the steps it ran)."""
+    """One method's measured earnings in this request, beside the population's: the decayed
+    earnings of every sequence's steps, one object shared by all for_sequence() copies."""
 
     name: str
     drafter: Drafter | None  # None: plain decoding
-    tokens: float = 0.0  # decayed tokens emitted by its steps
-    ms: float = 0.0  # decayed wall ms of its steps
-    runs: int = 0  # steps it ran (its first is not timed)
+    population: Earnings = field(default_factory=Earnings)  # shared: every sequence this drafter served
+    earned: Earnings = field(default_factory=Earnings)  # this request's (begin() starts it from the population's)
+    runs: int = 0  # steps it ran in this request (its first is not timed)
     last_run: int = -1  # the step it last ran
 
     def rate(self) -> float:
-        """Tokens per ms; unmeasured arms rank first (they must be tried)."""
-        return self.tokens / self.ms if self.ms > 0 else math.inf
+        return self.earned.rate()
 
 
 @register_drafter
@@ -69,15 +107,18 @@ class AutoDrafter(Drafter):
             model), in warm-up order; plain decoding is always an arm (first unless listed).
         model: a model drafter (small-model, eagle3, dspark, ...) for the hybrid and as an arm of
             its own; model_options: its options (KEY=VALUE,... or a dict).
-        warmup: steps each arm runs in turn at the start. explore_every: every this many steps the
-            arm measured longest ago runs once. decay: weight of an arm's older steps per step it runs.
+        warmup: steps each arm without a population estimate runs in turn at the start.
+            explore_every: every this many steps the arm measured longest ago runs once.
+            decay: weight of an arm's older steps per step it runs in the request;
+            population_decay: the same across every request this drafter (and its copies) served.
     """
 
     name = "auto"
     cost = DraftCost(block=8, trees=True)
 
     def __init__(self, target=None, methods: str = "suffix,pld,hybrid", model: str = "",
-                 model_options: str | dict | None = None, warmup: int = 2, explore_every: int = 16, decay: float = 0.9):
+                 model_options: str | dict | None = None, warmup: int = 2, explore_every: int = 16, decay: float = 0.9,
+                 population_decay: float = 0.99):
         names = [name.strip() for name in re.split("[,+]", methods) if name.strip()] if isinstance(methods, str) else []
         if not names or len(set(names)) != len(names) or "auto" in names or names == [PLAIN]:
             raise ValueError(f"methods must be distinct drafter names (not auto), got {methods!r}")
@@ -86,9 +127,8 @@ class AutoDrafter(Drafter):
             raise ValueError("model_options given without a model")
         self.warmup = check_int("warmup", warmup, 1, 1000)
         self.explore_every = check_int("explore_every", explore_every, 2, 100_000)
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
-            raise ValueError(f"decay must be a number in (0, 1], got {decay!r}")
-        self.decay = float(decay)
+        self.decay = _check_decay("decay", decay)
+        self.population_decay = _check_decay("population_decay", population_decay)
         model_drafter = drafter_class(model)(target=target, **sub_drafter_options(model, model_options)) if model else None
         drafters: list[tuple[str, Drafter | None]] = []
         for name in names:
@@ -112,27 +152,30 @@ class AutoDrafter(Drafter):
 
     def _reset(self) -> None:
         self.step = 0
+        # the arms that warm up: those no earlier step of this drafter measured
+        self.warming = [arm for arm in self.arms if not arm.population.steps]
         self.running: tuple[ArmRecord, float] | None = None  # the arm drafting this step, its start (perf_counter s)
 
     def for_sequence(self) -> AutoDrafter:
         fresh = copy.copy(self)
-        fresh.arms = [ArmRecord(arm.name, None if arm.drafter is None else arm.drafter.for_sequence()) for arm in self.arms]
+        fresh.arms = [ArmRecord(arm.name, None if arm.drafter is None else arm.drafter.for_sequence(), arm.population)
+                      for arm in self.arms]  # the population is shared, the request's earnings are its own
         fresh._reset()
         return fresh
 
     def begin(self, prompt_ids: list[int], target) -> None:
         self._reset()
         for arm in self.arms:
-            arm.tokens = arm.ms = 0.0
+            arm.earned = arm.population.one_step()
             arm.runs, arm.last_run = 0, -1
             if arm.drafter is not None:
                 arm.drafter.begin(prompt_ids, target)
 
     def choose(self) -> ArmRecord:
         """This step's arm, from earlier steps' measurements only."""
-        if self.step < self.warmup * len(self.arms):
-            return self.arms[self.step // self.warmup]
-        if self.step % self.explore_every == 0:
+        if self.step < self.warmup * len(self.warming):
+            return self.warming[self.step // self.warmup]
+        if self.step % self.explore_every == 0 and self.step:  # step 0 without warm-up: the best, as the population found
             return min(self.arms, key=lambda arm: arm.last_run)
         return max(self.arms, key=lambda arm: arm.rate())
 
@@ -155,8 +198,9 @@ class AutoDrafter(Drafter):
             arm, start = self.running
             self.running = None
             if arm.runs:  # an arm's first step includes one-off work (a draft model's prompt prefill)
-                arm.tokens = self.decay * arm.tokens + len(result.tokens)
-                arm.ms = self.decay * arm.ms + 1000.0 * (time.perf_counter() - start)
+                ms = 1000.0 * (time.perf_counter() - start)
+                arm.earned.add(len(result.tokens), ms, self.decay)
+                arm.population.add(len(result.tokens), ms, self.population_decay)
             arm.runs += 1
         for arm in self.arms:
             if arm.drafter is not None:
