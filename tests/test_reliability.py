@@ -149,9 +149,14 @@ def test_cli_generate_size_errors_are_one_line(capsys):
 def test_serve_refuses_configurations_that_can_never_fit(capsys):
     code, lines = _cli(capsys, "serve", "--max-model-len", "100000", "--port", "0")
     assert code == 2 and "context window of 8,192 tokens" in _one_error_line(lines)
-    code, lines = _cli(capsys, "serve", "--max-model-len", "4096", "--kv-memory", "0.05", "--port", "0")
+    # plain decoding: one sequence needs its length + 2 slots (root and bonus)
+    code, lines = _cli(capsys, "serve", "--max-model-len", "4096", "--kv-memory", "0.05", "--port", "0", "--drafter", "none")
     line = _one_error_line(lines)
     assert code == 2 and "KV memory budget holds 1,085 tokens" in line and "needs 4,098" in line
+    # the default drafter (auto) also needs room for its largest draft block
+    code, lines = _cli(capsys, "serve", "--max-model-len", "4096", "--kv-memory", "0.05", "--port", "0")
+    line = _one_error_line(lines)
+    assert code == 2 and "KV memory budget holds 1,085 tokens" in line and "(+ draft room) needs 4,1" in line
 
 
 # ---------------------------------------------------------------------------- the server's KV budget
