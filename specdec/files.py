@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .paths import MARKER_FILE
+from .paths import MARKER_FILE, read_marker
 
 # what an output directory holds -> how messages name it
 OUTPUT_KINDS = {
@@ -68,14 +68,11 @@ def save_safetensors(path: str | os.PathLike, tensors: dict, metadata: dict | No
 
 
 def _marker_contents(directory: Path) -> str | None:
-    """What specdec's marker in `directory` says it holds ("" for a marker of another kind, such
-    as a converted model's), or None without a marker."""
-    try:
-        marker = json.loads((directory / MARKER_FILE).read_text())
-    except FileNotFoundError:
+    """What specdec's marker in `directory` says it holds ("" for an unreadable marker or one of
+    another kind, such as a converted model's), or None without a marker."""
+    if not (directory / MARKER_FILE).exists():
         return None
-    except (OSError, ValueError):
-        return ""
+    marker = read_marker(directory)
     return str(marker.get("contents", "")) if isinstance(marker, dict) else ""
 
 

@@ -27,7 +27,8 @@ def cache_root() -> Path:
 
 
 def read_marker(model_dir: Path | str) -> dict | None:
-    """A converted model dir's marker (registry name, source GGUF, converter version), None when absent or unreadable."""
+    """The specdec.json marker of a directory specdec wrote (a converted model's: registry name, source GGUF,
+    converter version; an output directory's: what it holds), None when absent or unreadable."""
     try:
         return json.loads((Path(model_dir) / MARKER_FILE).read_text())
     except (OSError, ValueError):
