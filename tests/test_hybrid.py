@@ -69,11 +69,12 @@ def test_options_are_introspectable_and_parsed_like_drafter_args():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"sources": "suffix,lookahead"}, "sources must be distinct names among suffix, pld, rest"),
+    ({"sources": "suffix,lookahead"}, "sources must be distinct names among pld, rest, suffix"),
     ({"sources": "pld,pld"}, "sources must be distinct"),
     ({"sources": "", "model": ""}, "at least one source or a model"),
     ({"model": "pld"}, "model must be a model drafter"),
     ({"model": "hybrid"}, "model must be a model drafter"),
+    ({"model": "auto"}, "model must be a model drafter"),
     ({"sources": "pld", "suffix_options": "max_depth=3"}, "suffix_options given but suffix is not among"),
     ({"model_options": "gamma=3"}, "model_options given without a model"),
     ({"pld_options": "min_ngram=9"}, "min_ngram"),

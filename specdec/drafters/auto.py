@@ -114,6 +114,7 @@ class AutoDrafter(Drafter):
     """
 
     name = "auto"
+    composite = True
     cost = DraftCost(block=8, trees=True)
 
     def __init__(self, target=None, methods: str = "suffix,pld,hybrid", model: str = "",

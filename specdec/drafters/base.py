@@ -82,6 +82,10 @@ class Drafter(ABC):
     hidden_layers: tuple[int, ...] = ()  # target hidden layers needed (see specdec.models.base)
     wants_node_logits: bool = False  # ask the loop for ctx.all_node_logits after each verify
     cost: DraftCost = DraftCost()  # shape and price of a step's drafting (set per instance when options change it)
+    # proposals are a deterministic function of the committed context and nearly free (suffix, pld,
+    # rest): a hybrid's retrieval sources
+    retrieval_source: ClassVar[bool] = False
+    composite: ClassVar[bool] = False  # built of other drafters (hybrid, auto): never another one's part
 
     def for_sequence(self) -> Drafter:
         """A fresh per-sequence drafter sharing heavy resources; default: a shallow copy."""
@@ -152,6 +156,11 @@ def drafter_class(name: str) -> type[Drafter]:
     if name not in drafters:
         raise ValueError(f"unknown drafter {name!r}; available: {', '.join(sorted(listed_drafters()))}")
     return drafters[name]
+
+
+def retrieval_sources() -> list[str]:
+    """The registered drafters a hybrid can take as retrieval sources."""
+    return sorted(name for name, cls in registered_drafters().items() if cls.retrieval_source)
 
 
 def make_drafter(name: str, target=None, **options) -> Drafter:

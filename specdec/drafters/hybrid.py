@@ -43,11 +43,7 @@ import torch
 from ..budget import AcceptanceTracker
 from ..checks import check_int
 from ..draft import Draft
-from .base import DraftContext, DraftCost, Drafter, drafter_class, drafter_options, register_drafter
-
-RETRIEVAL_SOURCES = ("suffix", "pld", "rest")  # drafters whose proposals are deterministic and nearly free
-NOT_A_MODEL = ("hybrid", "auto")  # drafters that cannot be the hybrid's model drafter
-
+from .base import DraftContext, DraftCost, Drafter, drafter_class, drafter_options, register_drafter, retrieval_sources
 
 def sub_drafter_options(name: str, raw: str | dict | None) -> dict:
     """A source's options: a dict (the API: any values, e.g. a loaded `draft_target`) or one string
@@ -155,6 +151,7 @@ class HybridDrafter(Drafter):
     """
 
     name = "hybrid"
+    composite = True
     cost = DraftCost(block=8, trees=True)
 
     def __init__(self, target=None, sources: str = "suffix,pld", model: str = "", gamma: int = 8,
@@ -164,14 +161,15 @@ class HybridDrafter(Drafter):
         if not isinstance(sources, str):
             raise ValueError(f"sources must be drafter names separated by ',' or '+', got {sources!r}")
         names = [name.strip() for name in re.split("[,+]", sources) if name.strip()]
-        unknown = [name for name in names if name not in RETRIEVAL_SOURCES]
-        if unknown or len(set(names)) != len(names):
-            raise ValueError(f"sources must be distinct names among {', '.join(RETRIEVAL_SOURCES)}, got {sources!r}")
+        allowed = retrieval_sources()
+        if any(name not in allowed for name in names) or len(set(names)) != len(names):
+            raise ValueError(f"sources must be distinct names among {', '.join(allowed)}, got {sources!r}")
         built = model if isinstance(model, Drafter) else None  # the API: a model drafter already built (shared weights)
         if built is not None and model_options:
             raise ValueError("model_options go with a model drafter's name, not with a built model drafter")
         model = built.name if built is not None else model
-        if not isinstance(model, str) or model in NOT_A_MODEL or model in RETRIEVAL_SOURCES:
+        model_class = drafter_class(model) if isinstance(model, str) and model else None
+        if not isinstance(model, str) or (model_class is not None and (model_class.composite or model_class.retrieval_source)):
             raise ValueError(f"model must be a model drafter's name (small-model, eagle3, dspark, ...), got {model!r}")
         if not names and not model:
             raise ValueError("the hybrid drafter needs at least one source or a model")
@@ -181,7 +179,7 @@ class HybridDrafter(Drafter):
         for name, raw in given.items():
             if raw and name not in names:
                 raise ValueError(f"{name}_options given but {name} is not among the sources {names}")
-        self.retrieval = [drafter_class(name)(target=target, **sub_drafter_options(name, given[name])) for name in names]
+        self.retrieval = [drafter_class(name)(target=target, **sub_drafter_options(name, given.get(name))) for name in names]
         if built is None and model:
             built = drafter_class(model)(target=target, **sub_drafter_options(model, model_options))
         self.model = built

@@ -44,6 +44,7 @@ class PromptLookupDrafter(Drafter):
     """
 
     name = "pld"
+    retrieval_source = True
     cost = DraftCost(block=5)
 
     def __init__(self, target=None, max_ngram: int = 4, min_ngram: int = 2, gamma: int = 5):

@@ -39,6 +39,7 @@ class RestDrafter(Drafter):
     """
 
     name = "rest"
+    retrieval_source = True
     cost = DraftCost(block=8, trees=True)
 
     def __init__(

@@ -190,6 +190,7 @@ class SuffixDrafter(Drafter):
     """
 
     name = "suffix"
+    retrieval_source = True
     cost = DraftCost(block=8, trees=True)
 
     def __init__(
