@@ -34,6 +34,21 @@ def test_choice_follows_the_measured_rates_and_explores_the_stalest_arm():
     assert auto.choose().name == "suffix"
 
 
+def test_every_drafter_exists_once_per_request_and_the_hybrid_drives_its_parts():
+    """The hybrid arm drafts from the very suffix / pld objects the single-method arms are, in the
+    template and in every request's copy; auto drives only the drafters nothing else is built of."""
+    auto = AutoDrafter(None, methods="suffix,pld,hybrid")
+    for drafter in (auto, auto.for_sequence()):
+        arms = {arm.name: arm.drafter for arm in drafter.arms}
+        assert arms["hybrid"].retrieval == [arms["suffix"], arms["pld"]]
+        assert drafter.parts() == [arms["hybrid"]]
+    first, second = auto.for_sequence(), auto.for_sequence()
+    assert first.arms[1].drafter is not second.arms[1].drafter  # each request its own trie
+    alone = AutoDrafter(None, methods="pld,hybrid")  # suffix is no arm: the hybrid builds its own
+    pld, hybrid = alone.arms[1].drafter, alone.arms[2].drafter
+    assert alone.parts() == [hybrid] and hybrid.retrieval[1] is pld and hybrid.retrieval[0].name == "suffix"
+
+
 def test_a_new_request_starts_from_the_population_the_copies_share():
     """Earnings any copy records feed the one population of its drafter (not another drafter's); a
     request begun later warms up only the arms the population has not measured and starts from

@@ -2,7 +2,9 @@
 
 Arms: plain decoding (an empty draft) and every method in `methods` (default: suffix, pld, and
 hybrid = suffix + pld, plus the model drafter when `model=NAME` is given; with a model, the model
-drafter alone is an arm too, sharing its weights with the hybrid's). Each step ONE arm drafts, at
+drafter alone is an arm too). Every drafter exists once per request: the hybrid drafts from the same
+suffix, pld and model objects the single-method arms are, so one suffix trie and one draft-model
+cache follow the request, and each gets one begin / on_verified per step. Each step ONE arm drafts, at
 most its own block of the budget the budget policy gave (how many nodes a step drafts stays the
 policy's decision, budget.py; auto only picks the method).
 
@@ -48,7 +50,7 @@ from dataclasses import dataclass, field
 from ..checks import check_int
 from ..draft import Draft
 from .base import DraftContext, DraftCost, Drafter, drafter_class, register_drafter
-from .hybrid import HybridDrafter, sub_drafter_options
+from .hybrid import DEFAULT_SOURCES, HybridDrafter, sub_drafter_options
 
 PLAIN = "plain"
 
@@ -130,20 +132,20 @@ class AutoDrafter(Drafter):
         self.explore_every = check_int("explore_every", explore_every, 2, 100_000)
         self.decay = _check_decay("decay", decay)
         self.population_decay = _check_decay("population_decay", population_decay)
-        model_drafter = drafter_class(model)(target=target, **sub_drafter_options(model, model_options)) if model else None
-        drafters: list[tuple[str, Drafter | None]] = []
+        # every drafter is built once: the hybrid arm drafts from the very objects the single-method
+        # arms are (one suffix trie, one draft-model cache per request), and drives their lifecycle
+        built: dict[str, Drafter] = {}
+        if model:
+            built[model] = drafter_class(model)(target=target, **sub_drafter_options(model, model_options))
         for name in names:
-            if name == PLAIN:
-                drafters.append((name, None))
-            elif name == model:  # listed among the methods: the same model drafter, at that place
-                drafters.append((name, model_drafter))
-            elif name == "hybrid":
-                drafters.append((name, HybridDrafter(target, model=model_drafter or "")))
-            else:
-                drafters.append((name, drafter_class(name)(target=target)))
-        if model_drafter is not None and model not in names:
-            drafters.append((model, model_drafter))
-        self.arms = [ArmRecord(name, drafter) for name, drafter in drafters]
+            if name not in (PLAIN, "hybrid", model):
+                built[name] = drafter_class(name)(target=target)
+        if "hybrid" in names:
+            sources = [built.get(name) or drafter_class(name)(target=target) for name in DEFAULT_SOURCES]
+            built["hybrid"] = HybridDrafter(target, sources=sources, model=built.get(model, ""))
+        self.arms = [ArmRecord(name, built.get(name)) for name in names]
+        if model and model not in names:
+            self.arms.append(ArmRecord(model, built[model]))
         parts = [arm.drafter for arm in self.arms if arm.drafter is not None]
         self.hidden_layers = tuple(sorted({layer for drafter in parts for layer in drafter.hidden_layers}))
         self.wants_node_logits = any(drafter.wants_node_logits for drafter in parts)
@@ -157,10 +159,21 @@ class AutoDrafter(Drafter):
         self.warming = [arm for arm in self.arms if not arm.population.steps]
         self.running: tuple[ArmRecord, float] | None = None  # the arm drafting this step, its start (perf_counter s)
 
+    def parts(self) -> list[Drafter]:
+        """The arms' drafters no other arm's drafter is built of: the ones this drafter drives."""
+        drafters = [arm.drafter for arm in self.arms if arm.drafter is not None]
+        inner = {id(part) for drafter in drafters for part in drafter.parts()}
+        return [drafter for drafter in drafters if id(drafter) not in inner]
+
     def for_sequence(self) -> AutoDrafter:
         fresh = copy.copy(self)
-        fresh.arms = [ArmRecord(arm.name, None if arm.drafter is None else arm.drafter.for_sequence(), arm.population)
-                      for arm in self.arms]  # the population is shared, the request's earnings are its own
+        copies: dict[int, Drafter] = {}  # id(this drafter's part) -> the sequence's copy of it
+        for root in self.parts():
+            copies[id(root)] = copied = root.for_sequence()
+            copies.update((id(part), part_copy) for part, part_copy in zip(root.parts(), copied.parts()))
+        # the population is shared, the request's earnings are its own
+        fresh.arms = [ArmRecord(arm.name, None if arm.drafter is None else copies[id(arm.drafter)], arm.population)
+                      for arm in self.arms]
         fresh._reset()
         return fresh
 
@@ -169,8 +182,8 @@ class AutoDrafter(Drafter):
         for arm in self.arms:
             arm.earned = arm.population.one_step()
             arm.runs, arm.last_run = 0, -1
-            if arm.drafter is not None:
-                arm.drafter.begin(prompt_ids, target)
+        for drafter in self.parts():
+            drafter.begin(prompt_ids, target)
 
     def choose(self) -> ArmRecord:
         """This step's arm, from earlier steps' measurements only."""
@@ -203,14 +216,12 @@ class AutoDrafter(Drafter):
                 arm.earned.add(len(result.tokens), ms, self.decay)
                 arm.population.add(len(result.tokens), ms, self.population_decay)
             arm.runs += 1
-        for arm in self.arms:
-            if arm.drafter is not None:
-                arm.drafter.on_verified(result, ctx)
+        for drafter in self.parts():
+            drafter.on_verified(result, ctx)
 
     def on_finished(self, result, ctx: DraftContext) -> None:
-        for arm in self.arms:
-            if arm.drafter is not None:
-                arm.drafter.on_finished(result, ctx)
+        for drafter in self.parts():
+            drafter.on_finished(result, ctx)
 
     def chosen(self) -> dict[str, int]:
         """Steps each arm ran in this request."""

@@ -105,6 +105,11 @@ class Drafter(ABC):
         """The sequence ended with this step (no further proposal): `ctx.new_hidden` /
         `ctx.all_node_logits` hold its last rows. Default: nothing to do."""
 
+    def parts(self) -> list[Drafter]:
+        """The drafters this one is built of and drives through begin / on_verified / on_finished
+        (a composite's sources); none by default."""
+        return []
+
     def catch_up_tokens(self, ctx: DraftContext) -> int:
         """Committed tokens the next proposal must first feed through the drafter's own model
         (a draft model's prompt prefill, or tokens committed while drafting was off). Each costs

@@ -45,6 +45,9 @@ from ..checks import check_int
 from ..draft import Draft
 from .base import DraftContext, DraftCost, Drafter, drafter_class, drafter_options, register_drafter, retrieval_sources
 
+DEFAULT_SOURCES = ("suffix", "pld")
+
+
 def sub_drafter_options(name: str, raw: str | dict | None) -> dict:
     """A source's options: a dict (the API: any values, e.g. a loaded `draft_target`) or one string
     of KEY=VALUE pairs separated by commas or semicolons (the CLI: `model_options=draft_model=x,gamma=3`;
@@ -138,7 +141,7 @@ class HybridDrafter(Drafter):
     Options:
         sources: retrieval drafters (suffix, pld, rest) separated by `,` or `+` (`+` in a bench
             method list), tried in this order (a node several propose is credited to the first);
-            empty: the model alone.
+            empty: the model alone; (API) a list of retrieval drafters already built.
         model: a model drafter's name (small-model, eagle3, dspark, ...), or (API) one already
             built; empty: retrieval only.
         suffix_options / pld_options / rest_options / model_options: that drafter's options,
@@ -154,16 +157,13 @@ class HybridDrafter(Drafter):
     composite = True
     cost = DraftCost(block=8, trees=True)
 
-    def __init__(self, target=None, sources: str = "suffix,pld", model: str = "", gamma: int = 8,
+    def __init__(self, target=None, sources: str = ",".join(DEFAULT_SOURCES), model: str = "", gamma: int = 8,
                  suffix_options: str | dict | None = None, pld_options: str | dict | None = None,
                  rest_options: str | dict | None = None, model_options: str | dict | None = None,
                  model_per_token: float | None = None):
-        if not isinstance(sources, str):
-            raise ValueError(f"sources must be drafter names separated by ',' or '+', got {sources!r}")
-        names = [name.strip() for name in re.split("[,+]", sources) if name.strip()]
-        allowed = retrieval_sources()
-        if any(name not in allowed for name in names) or len(set(names)) != len(names):
-            raise ValueError(f"sources must be distinct names among {', '.join(allowed)}, got {sources!r}")
+        given = {"suffix": suffix_options, "pld": pld_options, "rest": rest_options}
+        self.retrieval = self._retrieval_sources(target, sources, given)
+        names = [drafter.name for drafter in self.retrieval]
         built = model if isinstance(model, Drafter) else None  # the API: a model drafter already built (shared weights)
         if built is not None and model_options:
             raise ValueError("model_options go with a model drafter's name, not with a built model drafter")
@@ -175,11 +175,6 @@ class HybridDrafter(Drafter):
             raise ValueError("the hybrid drafter needs at least one source or a model")
         if model_options and not model:
             raise ValueError("model_options given without a model")
-        given = {"suffix": suffix_options, "pld": pld_options, "rest": rest_options}
-        for name, raw in given.items():
-            if raw and name not in names:
-                raise ValueError(f"{name}_options given but {name} is not among the sources {names}")
-        self.retrieval = [drafter_class(name)(target=target, **sub_drafter_options(name, given.get(name))) for name in names]
         if built is None and model:
             built = drafter_class(model)(target=target, **sub_drafter_options(model, model_options))
         self.model = built
@@ -190,12 +185,30 @@ class HybridDrafter(Drafter):
             raise ValueError(f"model_per_token must be a number >= 0 (target steps), got {model_per_token!r}")
         self.model_per_token = float(model_per_token)
         self.hidden_layers = tuple(self.model.hidden_layers) if self.model is not None else ()
-        self.wants_node_logits = any(d.wants_node_logits for d in self._parts())
+        self.wants_node_logits = any(d.wants_node_logits for d in self.parts())
         # the prior of the auto policy's draft-cost measurement: the model's price when there is one
         self.cost = DraftCost(block=check_int("gamma", gamma, 1, 1024), per_token=self.model_per_token, trees=True)
         self._reset()
 
-    def _parts(self) -> list[Drafter]:
+    @staticmethod
+    def _retrieval_sources(target, sources: str | list[Drafter], given: dict) -> list[Drafter]:
+        """The retrieval drafters: built from names (`sources`, with their `given` options) or, from the
+        API, already built (shared with their owner, e.g. the auto drafter's arms)."""
+        allowed = retrieval_sources()
+        if isinstance(sources, list) and all(isinstance(drafter, Drafter) for drafter in sources):
+            names, built = [drafter.name for drafter in sources], sources
+        elif isinstance(sources, str):
+            names, built = [name.strip() for name in re.split("[,+]", sources) if name.strip()], None
+        else:
+            raise ValueError(f"sources must be drafter names separated by ',' or '+', got {sources!r}")
+        if any(name not in allowed for name in names) or len(set(names)) != len(names):
+            raise ValueError(f"sources must be distinct names among {', '.join(allowed)}, got {sources!r}")
+        for name, raw in given.items():
+            if raw and (built is not None or name not in names):
+                raise ValueError(f"{name}_options given but {name} is not among the sources {names} built here")
+        return built or [drafter_class(name)(target=target, **sub_drafter_options(name, given.get(name))) for name in names]
+
+    def parts(self) -> list[Drafter]:
         return self.retrieval + ([self.model] if self.model is not None else [])
 
     def _reset(self) -> None:
@@ -212,16 +225,16 @@ class HybridDrafter(Drafter):
 
     def begin(self, prompt_ids: list[int], target) -> None:
         self._reset()
-        for drafter in self._parts():
+        for drafter in self.parts():
             drafter.begin(prompt_ids, target)
 
     def on_verified(self, result, ctx: DraftContext) -> None:
         self._learn(result)
-        for drafter in self._parts():
+        for drafter in self.parts():
             drafter.on_verified(result, ctx)
 
     def on_finished(self, result, ctx: DraftContext) -> None:
-        for drafter in self._parts():
+        for drafter in self.parts():
             drafter.on_finished(result, ctx)
 
     # ------------------------------------------------------------------ drafting
