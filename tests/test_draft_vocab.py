@@ -106,3 +106,25 @@ def test_a_quantized_head_keeps_its_blocks_in_the_same_kernel(quantized_gguf):
     logits, _ = target.forward(tokens, positions, target.new_cache(1, 8))
     cut, _ = target.forward(tokens, positions, target.new_cache(1, 8), lm_head=reduced)
     assert torch.allclose(cut, logits[..., ids], rtol=1e-5, atol=1e-5)
+
+
+def test_the_draft_model_runs_in_the_targets_block_mode(quantized_gguf):
+    """A gguf-a8 target drafts with a gguf-a8 draft model (the same kernel path), a dense target with
+    the draft model as stored; `draft_weights` overrides; greedy still equals plain."""
+    from conftest import skip_without_kernel
+
+    from specdec.models.llama import load_native
+
+    skip_without_kernel()
+    _, _, model_dir = quantized_gguf
+    a8, dense = load_native(model_dir, weights="gguf-a8"), load_native(model_dir, weights="fp32")
+    drafter = SmallModelDrafter(a8, draft_model=str(model_dir), gamma=3)
+    assert drafter.draft_target.weights == "gguf-a8"
+    assert SmallModelDrafter(dense, draft_model=str(model_dir)).draft_target.weights == "gguf"
+    assert SmallModelDrafter(a8, draft_model=str(model_dir), draft_weights="gguf").draft_target.weights == "gguf"
+    with pytest.raises(ValueError, match="draft_weights goes with draft_model"):
+        SmallModelDrafter(a8, draft_target=dense, draft_weights="gguf")
+    prompt = [3, 5, 7, 9, 11, 13]
+    plain = generate(a8, prompt, None, max_new_tokens=16).tokens
+    result = generate(a8, prompt, drafter, max_new_tokens=16)
+    assert result.tokens == plain and result.stats.drafted_tokens > 0

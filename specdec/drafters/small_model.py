@@ -384,6 +384,18 @@ def reduced_lm_head(head: nn.Module, token_ids: torch.Tensor) -> nn.Module:
     return FastLinear(linear, head.backend) if isinstance(head, FastLinear) else linear
 
 
+def _draft_weights(requested: str, target, draft_model: str) -> str | None:
+    """The draft model's weight mode: `requested`, else the target's block mode (gguf / gguf-a8) when
+    the draft model has GGUF blocks too, else None (as stored)."""
+    from ..models import has_gguf_blocks
+    from ..models.llama import BLOCK_ACTIVATIONS
+
+    if requested:
+        return requested
+    mode = getattr(target, "weights", None)
+    return mode if mode in BLOCK_ACTIVATIONS and has_gguf_blocks(draft_model) else None
+
+
 @register_drafter
 class SmallModelDrafter(ModelDrafter):
     """Draft with an independent smaller model that shares the target's tokenizer.
@@ -394,6 +406,9 @@ class SmallModelDrafter(ModelDrafter):
     gamma: chain length per step; tree / tree_*: see ModelDrafter (tree_nodes = node budget).
     sample: at temperature > 0, sample chains and trees from q with exact draft_probs (false: argmax
         chains and top-k trees, deterministic proposals).
+    draft_weights: the draft model's weights (load_target's `weights`: gguf, gguf-a8, fp32); default:
+        the target's block mode when both are GGUF-sourced (a gguf-a8 target drafts with a gguf-a8
+        draft model: the same kernel path, about half the exact mode's step), else as stored.
     draft_vocab: propose only from the `draft_vocab` most frequent tokens (frequent_token_ids; 0 =
         the whole vocabulary), EAGLE-3's draft vocabulary: the draft model's LM head computes only
         those rows (reduced_lm_head; on a Qwen2.5 0.5B most of a step is its 151,936-row head) and
@@ -417,6 +432,7 @@ class SmallModelDrafter(ModelDrafter):
         tree_beam: int = 1,
         sample: bool = True,
         draft_vocab: int = 0,
+        draft_weights: str = "",
     ):
         super().__init__(gamma, tree, tree_nodes, tree_depth, tree_topk, tree_beam, sample)
         check_int("draft_vocab (0 = the whole vocabulary)", draft_vocab, 0)
@@ -426,7 +442,9 @@ class SmallModelDrafter(ModelDrafter):
             from ..models import load_target
 
             dtype = draft_dtype or (str(target.dtype).removeprefix("torch.") if target is not None else "float32")
-            draft_target = load_target(draft_model, dtype=dtype)
+            draft_target = load_target(draft_model, dtype=dtype, weights=_draft_weights(draft_weights, target, draft_model))
+        elif draft_weights:
+            raise ValueError("draft_weights goes with draft_model, not with a loaded draft_target")
         for method in ("forward", "new_cache"):
             if not callable(getattr(draft_target, method, None)):
                 raise ValueError(f"draft_target must be a loaded Target (no {method}()), got {type(draft_target).__name__}")

@@ -18,6 +18,14 @@ def add_weights_argument(parser) -> None:
     )
 
 
+def has_gguf_blocks(name_or_path: str) -> bool:
+    """Whether the model's weights hold GGUF blocks (a GGUF-sourced model: it can load as gguf / gguf-a8)."""
+    from .gguf import read_block_types
+    from .registry import resolve_model_dir
+
+    return any(read_block_types(shard) for shard in resolve_model_dir(name_or_path, progress=False).glob("*.safetensors"))
+
+
 def load_target(name_or_path: str, dtype: str = "float32", progress: bool = True, weights: str | None = None):
     """Resolve `name_or_path` to an HF-format directory, then load it natively when the
     architecture is supported (Llama family) or through transformers otherwise.
