@@ -178,3 +178,30 @@ def test_bench_reports_vllm_peers_na_with_how_to_install(tmp_path, monkeypatch):
     assert list(status) == ["plain", "vllm-plain", "vllm-ngram"] and status["plain"][0] == "ok"
     for label in ("vllm-plain", "vllm-ngram"):
         assert status[label][0] == "n/a" and "specdec peers install vllm" in status[label][1]
+
+
+# lines from a real vLLM 0.32 worker log (head_dim 32, bf16, AMX attention): a warning with a traceback
+# comes first, the worker then dies in native code and the engine reports "cancelled"
+DEAD_WORKER_LOG = """\
+(MainProcess pid=19447) WARNING 12-03 03:18:21 [base.py:380] Chat template warmup failed
+(MainProcess pid=19447) WARNING 12-03 03:18:21 [base.py:380] ValueError: Tokenizer not available when `skip_tokenizer_init=True`
+(EngineCore pid=19459) ERROR 12-03 03:18:21 [multiproc_executor.py:315] Worker proc VllmWorker-0 died unexpectedly (exit code: None), shutting down executor.
+(EngineCore pid=19459) ERROR 12-03 03:18:21 [core.py:1512] EngineCore encountered a fatal error.
+(EngineCore pid=19459) ERROR 12-03 03:18:21 [core.py:1512] RuntimeError: cancelled
+"""
+FAILED_START_LOG = """\
+(EngineCore pid=7) WARNING 12-03 03:18:21 [cpu.py:224] Triton is not installed. triton-cpu is expected on x86 CPUs.
+(EngineCore pid=7) ERROR 12-03 03:18:22 [core.py:900] ValueError: head_size 24 is not supported by CPU_ATTN
+RuntimeError: Engine core initialization failed. See root cause above.
+"""
+
+
+@pytest.mark.parametrize("log, cause", [
+    (DEAD_WORKER_LOG, "Worker proc VllmWorker-0 died unexpectedly (exit code: None), shutting down executor."),
+    (FAILED_START_LOG, "ValueError: head_size 24 is not supported by CPU_ATTN"),
+    ("", "no output"),
+])
+def test_a_vllm_failure_is_named_by_its_root_cause_not_a_warning(log, cause):
+    from specdec.peers.vllm_client import root_cause
+
+    assert root_cause(log) == cause

@@ -38,11 +38,16 @@ class VllmError(RuntimeError):
 # a log line's exception: "ValueError: ...", also after vLLM's "(VllmWorker-0 pid=1) ERROR ... [file:line]" prefix
 EXCEPTION_LINE = re.compile(r"(?:^|\] |\s)((?:[A-Za-z_.]+)?(?:Error|Exception): .+)$")
 GENERIC_FAILURES = ("Engine core initialization failed",)  # vLLM's wrapper: the root cause is logged before it
+# a worker killed by a native crash leaves no exception of its own, only this line (and "cancelled" after it)
+DEAD_WORKER = re.compile(r"Worker proc \S+ died unexpectedly.*$")
 
 
 def root_cause(log: str) -> str:
-    """The first exception in the worker's log that is not vLLM's generic wrapper, else its last line."""
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    """The first exception in the worker's log that is not vLLM's generic wrapper or a warning, else its last line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip() and " WARNING " not in line]
+    for line in lines:
+        if match := DEAD_WORKER.search(line):
+            return match.group(0)[:600]
     for index, line in enumerate(lines):
         match = EXCEPTION_LINE.search(line)
         if match and not any(generic in line for generic in GENERIC_FAILURES):
@@ -76,7 +81,8 @@ class VllmWorker:
             raise VllmError(f"vLLM exited while {doing} (exit {self.process.returncode}): {root_cause(self.log_text())}")
         reply = json.loads(line)
         if "error" in reply:
-            raise VllmError(f"vLLM failed while {doing}: {reply['error']}")
+            cause = root_cause(self.log_text())  # vLLM's engine errors say "see the stack trace above": that is the log
+            raise VllmError(f"vLLM failed while {doing}: {reply['error']} (log: {cause})")
         return reply
 
     def log_text(self) -> str:
