@@ -104,6 +104,7 @@ struct Decoded<Fmt, false, std::enable_if_t<!Fmt::kTail>> {
   static constexpr bool kAvailable = true;
   using Tile = F32Format;
   static constexpr int64_t kBlockBytes = Fmt::kBlock * (int64_t)sizeof(float);
+  static constexpr int64_t kMinBlocks = kDecodeOnceMinBlocks;
   static void decode(const uint8_t* block, uint8_t* out) {
     typename Fmt::Scales scales;
     Fmt::prepare(block, scales);
