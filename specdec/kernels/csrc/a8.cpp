@@ -536,6 +536,7 @@ struct Decoded<Fmt, true, std::enable_if_t<Fmt::kA8Block == 256>> {
   static constexpr bool kAvailable = true;
   using Tile = DecodedKQuantA8<Fmt>;
   static constexpr int64_t kBlockBytes = sizeof(DecodedKQuantBlock);
+  static constexpr int64_t kMinBlocks = Fmt::kA8DecodeOnceMinBlocks;
   static void decode(const uint8_t* block, uint8_t* out) {
     DecodedKQuantBlock& d = *(DecodedKQuantBlock*)out;
     typename Fmt::A8Scales scales;
@@ -585,6 +586,7 @@ struct Decoded<Fmt, true, std::enable_if_t<Fmt::kA8Block == 32>> {
   static constexpr bool kAvailable = true;
   using Tile = DecodedBlock32A8<Fmt>;
   static constexpr int64_t kBlockBytes = Tile::kBytes;
+  static constexpr int64_t kMinBlocks = Fmt::kA8DecodeOnceMinBlocks;
   static void decode(const uint8_t* block, uint8_t* out) {
     typename Fmt::Scales scales;
     Fmt::prepare(block, scales);

@@ -214,6 +214,21 @@ inline __m512i quad_scale_index(int quad, bool per16) {
 }
 #endif
 
+// ---- decode once per row panel (Decoded, run_tiles): the row blocks (of MR rows) a panel needs
+// before decoding each weight block once into an L1 scratch, for all its blocks to reuse, pays
+// for the scratch stores and loads (below it, each block decodes the weights itself).
+constexpr int64_t kDecodeOnceMinBlocks = 4;  // exact mode (both builds); a8 on AVX2
+// a8 on the VNNI build, per format (kA8DecodeOnceMinBlocks): from 2 blocks (5+ rows) where two
+// blocks' savings outweigh one decode. Without the scratch every row block unpacks the weight
+// blocks again (nibbles, 5th bits, scales); on the scratch the 32-weight formats also run two
+// columns per zmm. Static counts per 4 columns (docs/performance.md), e.g. Q4_K per super-block:
+// the 4-row tile 584 instructions on the blocks, 437 on the scratch, the decode 268.
+#ifdef SG_A8_ZMM
+constexpr int64_t kA8DecodeOnceFewBlocks = 2;
+#else
+constexpr int64_t kA8DecodeOnceFewBlocks = kDecodeOnceMinBlocks;
+#endif
+
 struct NoScales {};
 
 struct F32Format {  // nn.Linear weights as they are
@@ -253,6 +268,7 @@ struct Q4_0Format {  // d fp16, qs[16]: weight j < 16 = low nibble of qs[j], j >
   }
   // a8: signed quants (dot with |q| and sign-moved activations), one scale per 32, no min term
   static constexpr int kA8Block = 32;
+  static constexpr int64_t kA8DecodeOnceMinBlocks = kA8DecodeOnceFewBlocks;
   static constexpr bool kSigned = true, kHasMin = false;
   static __m256i quants32(const uint8_t* b, int) { return _mm256_sub_epi8(split_nibbles32(b + 2), _mm256_set1_epi8(8)); }
   static __m256 a8_scale(const Scales& s, int) { return _mm256_set1_ps(s.d); }
@@ -269,6 +285,7 @@ struct Q4_1Format {  // d fp16, m fp16, qs[16] as Q4_0
   }
   // a8: d * sum(q * a) + m * sum(a)
   static constexpr int kA8Block = 32;
+  static constexpr int64_t kA8DecodeOnceMinBlocks = kA8DecodeOnceFewBlocks;
   static constexpr bool kSigned = false, kHasMin = true;
   static __m256i quants32(const uint8_t* b, int) { return split_nibbles32(b + 4); }
   static __m256 a8_scale(const Scales& s, int) { return _mm256_set1_ps(s.d); }
@@ -287,6 +304,7 @@ struct Q5_0Format {  // d fp16, qh u32 (bit j = 5th bit of weight j), qs[16] as 
     return vmul(vset1(s.d), u8_with_high_bits_minus_16(nibbles(load_bytes(b + 6 + e % 16), e >= 16), bits));
   }
   static constexpr int kA8Block = 32;
+  static constexpr int64_t kA8DecodeOnceMinBlocks = kA8DecodeOnceFewBlocks;
   static constexpr bool kSigned = true, kHasMin = false;
   static __m256i quants32(const uint8_t* b, int) {  // (nibble | 16 * bit j of qh) - 16
     uint32_t qh;
@@ -305,6 +323,7 @@ struct Q8_0Format {  // d fp16, qs int8[32]
   static void prepare(const uint8_t* b, Scales& s) { s.d = fp16_to_fp32(b); }
   static vec load(const uint8_t* b, const Scales& s, int e) { return vmul(i8_to_vec(load_bytes(b + 2 + e)), vset1(s.d)); }
   static constexpr int kA8Block = 32;
+  static constexpr int64_t kA8DecodeOnceMinBlocks = kA8DecodeOnceFewBlocks;
   static constexpr bool kSigned = true, kHasMin = false;
   static __m256i quants32(const uint8_t* b, int) { return load32(b + 2); }
   static __m256 a8_scale(const Scales& s, int) { return _mm256_set1_ps(s.d); }
@@ -385,6 +404,7 @@ struct Q4_KFormat {  // d, dmin fp16, scales[12], qs[128]: sub-block 2i / 2i+1 =
 #endif
   // a8 per super-block: d * sum_sub(sc * sum(q * a)) * dx - dmin * sum_sub(m * sum(a)) * dx
   static constexpr int kA8Block = 256;
+  static constexpr int64_t kA8DecodeOnceMinBlocks = kA8DecodeOnceFewBlocks;
   static constexpr bool kSigned = false, kHasMin = true;
   static constexpr int kQuantOffset = 0;  // quants32 + this = the unsigned quant (AVX2 K-quant tile)
   using A8Scales = KQuantA8Scales;
@@ -410,6 +430,7 @@ struct Q5_KFormat {  // d, dmin, scales[12], qh[32] (bit s of qh[j] = 5th bit of
     return vsub(vmul(vset1(s.d[sub]), u8_to_vec(_mm_or_si128(low, high))), vset1(s.dm[sub]));
   }
   static constexpr int kA8Block = 256;
+  static constexpr int64_t kA8DecodeOnceMinBlocks = kA8DecodeOnceFewBlocks;
   static constexpr bool kSigned = false, kHasMin = true;
   static constexpr int kQuantOffset = 0;  // quants32 + this = the unsigned quant (AVX2 K-quant tile)
   using A8Scales = KQuantA8Scales;
@@ -451,6 +472,9 @@ struct Q6_KFormat {  // ql[128], qh[64], scales int8[16] (one per 16 weights), d
   }
   // a8: sub-block `sub` = weights 32 sub .. + 31 (h = sub / 4, r = 32 (sub % 4)); an int8 scale per 16
   static constexpr int kA8Block = 256;
+  // decode once from 4 row blocks on either build: its scratch saves the VNNI tile less (556 -> 468
+  // instructions per super-block x 4 columns, the decode 212), so 2 blocks would cost more
+  static constexpr int64_t kA8DecodeOnceMinBlocks = kDecodeOnceMinBlocks;
   static constexpr bool kSigned = true, kHasMin = false;
   static constexpr int kQuantOffset = 32;  // quants32 + 32 = the 6-bit quant, 0..63
   using A8Scales = KQuantA8Scales;
@@ -539,16 +563,14 @@ struct Tiles;
 // int16 scale vectors, integers), and the tile does the same float operations on them in the
 // same order, so every output keeps its bits: a row is the same in a 741-row call and alone.
 // Decoded<Fmt, kA8>::kAvailable says whether a format has a decoded form; Tile is the format the
-// tile reads the scratch with, kBlockBytes the scratch bytes per Fmt::kBlock weights of a row.
+// tile reads the scratch with, kBlockBytes the scratch bytes per Fmt::kBlock weights of a row,
+// kMinBlocks the row blocks a panel needs before it decodes once (kDecodeOnceMinBlocks, or the
+// format's kA8DecodeOnceMinBlocks in the a8 mode).
 // The decoded forms are specialisations in the parts: exact mode in gemm.cpp, a8 in a8.cpp.
 template <typename Fmt, bool kA8, typename = void>
 struct Decoded {
   static constexpr bool kAvailable = false;
 };
-
-// Row blocks (of MR rows) a panel needs before decoding once pays for the scratch stores and
-// loads (below it, each block decodes the weights itself, as for a decode step or a verify).
-constexpr int64_t kDecodeOnceMinBlocks = 4;
 
 struct LinearJob {
   const float* x;
@@ -581,7 +603,7 @@ void run_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
   uint8_t* scratch = nullptr;
   int64_t scratch_ldw = 0;
   if constexpr (Dec::kAvailable) {
-    if (max_blocks >= kDecodeOnceMinBlocks) {
+    if (max_blocks >= Dec::kMinBlocks) {
       scratch_ldw = job.K / Fmt::kBlock * Dec::kBlockBytes;
       scratch_buffer.reset(new uint8_t[(size_t)(kColsPerTile * scratch_ldw + 64)]);
       scratch = scratch_buffer.get() + (64 - (uintptr_t)scratch_buffer.get() % 64) % 64;
@@ -591,7 +613,8 @@ void run_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
     const int64_t panel_rows = std::min(job.rows_per_panel, job.M - p0);
     const int64_t row_blocks = (panel_rows + kMaxRowsPerTile - 1) / kMaxRowsPerTile;
     const int64_t k_chunk = row_blocks > 1 ? kKChunk : job.K;
-    const bool decode_once = scratch && row_blocks >= kDecodeOnceMinBlocks;
+    bool decode_once = false;
+    if constexpr (Dec::kAvailable) decode_once = scratch && row_blocks >= Dec::kMinBlocks;
     for (int64_t t = tile_begin; t < tile_end; ++t) {
       const int64_t j0 = t * kColsPerTile;
       const int nr = (int)std::min<int64_t>(kColsPerTile, job.N - j0);
