@@ -38,6 +38,7 @@ class VllmError(RuntimeError):
 # a log line's exception: "ValueError: ...", also after vLLM's "(VllmWorker-0 pid=1) ERROR ... [file:line]" prefix
 EXCEPTION_LINE = re.compile(r"(?:^|\] |\s)((?:[A-Za-z_.]+)?(?:Error|Exception): .+)$")
 GENERIC_FAILURES = ("Engine core initialization failed",)  # vLLM's wrapper: the root cause is logged before it
+ENGINE_DEAD = "EngineDeadError"  # the worker's one-line answer once vLLM's engine has died (a bad request keeps it up)
 # a worker killed by a native crash leaves no exception of its own, only this line (and "cancelled" after it)
 DEAD_WORKER = re.compile(r"Worker proc \S+ died unexpectedly.*$")
 
@@ -81,8 +82,10 @@ class VllmWorker:
             raise VllmError(f"vLLM exited while {doing} (exit {self.process.returncode}): {root_cause(self.log_text())}")
         reply = json.loads(line)
         if "error" in reply:
-            cause = root_cause(self.log_text())  # vLLM's engine errors say "see the stack trace above": that is the log
-            raise VllmError(f"vLLM failed while {doing}: {reply['error']} (log: {cause})")
+            error = reply["error"]
+            if error.startswith(ENGINE_DEAD):  # it says "see stack trace above": the cause is in the log
+                error += f" (log: {root_cause(self.log_text())})"
+            raise VllmError(f"vLLM failed while {doing}: {error}")
         return reply
 
     def log_text(self) -> str:
