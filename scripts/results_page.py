@@ -60,7 +60,9 @@ specdec bench                         # the quick profile: 3 questions per kind,
 Run a section's command as shown (its `--out DIR` may be any folder): it writes
 `DIR/results.json`, `DIR/results.md` (the table, printed too) and the plots.
 Methods: `specdec drafters` lists the drafters; `hf-plain`, `hf-assisted`, `hf-pld` are
-transformers' own methods, `llama-plain` and `llama-lookup` llama.cpp's (`pip install 'specdec[peers]'`).
+transformers' own methods, `llama-plain` and `llama-lookup` llama.cpp's (`pip install 'specdec[peers]'`),
+`vllm-plain`, `vllm-ngram`, `vllm-draft-model`, `vllm-eagle3`, ... vLLM CPU's in its own virtualenv
+(`specdec peers install vllm`; [interop.md](interop.md)).
 Trained-head drafters (`medusa`, `mtp`, `eagle1`, `eagle3`, `dflash`, `dspark`) need a checkpoint
 from `specdec train` (see [eagle.md](eagle.md), [dflash.md](dflash.md), [dspark.md](dspark.md)),
 passed as `--methods plain,eagle3:checkpoint=DIR`. Serving under load is measured by

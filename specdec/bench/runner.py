@@ -483,7 +483,9 @@ class _progress:
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=DEFAULT_METHODS,
                         help="comma-separated: plain, drafter names (`specdec drafters`), hf-plain, hf-assisted, hf-pld, "
-                             "llama-plain, llama-lookup (llama.cpp: pip install 'specdec[peers]'); "
+                             "llama-plain, llama-lookup (llama.cpp: pip install 'specdec[peers]'), vllm-plain, "
+                             "vllm-ngram, vllm-suffix, vllm-draft-model, vllm-eagle3, vllm-dflash, vllm-dspark, vllm-medusa "
+                             "(vLLM CPU in its own venv: specdec peers install vllm); "
                              "options as NAME:KEY=VALUE:KEY=VALUE (default: %(default)s)")
     parser.add_argument("--target", default=DEFAULT_MODEL, help="target model: registry name, HF dir or .gguf")
     parser.add_argument("--draft-model", default=None,
