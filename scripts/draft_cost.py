@@ -1,4 +1,4 @@
-"""Per-step draft cost of block drafters (DSpark, DFlash) vs EAGLE-3's per-depth forwards, on one target.
+"""Per-step draft cost of block drafters (DSpark, DFlash), EAGLE-3's per-depth forwards and a draft model, on one target.
 
 Each drafter is built untrained (the cost of a forward does not depend on the weights), saved and
 loaded back through its real constructor (so the draft vocabulary is the default 8192 rows of the
@@ -8,6 +8,13 @@ the cost of one proposal (+ absorbing the step's new context rows). Plain decodi
 step in the same process gives T(1), so the costs are also reported in units of T(1).
 
     python scripts/draft_cost.py --model qwen2.5-coder-1.5b --max-new-tokens 24
+
+`--small-model NAME` adds the small-model drafter (a real model: its drafts are sometimes accepted) as a
+chain of --small-model-gamma tokens, once per `--draft-vocabs` size (0 = its whole vocabulary); its
+cost per drafted token is one draft-model step, the number the cost model weighs against T(1):
+
+    python scripts/draft_cost.py --model qwen2.5-coder-1.5b --weights gguf-a8 --small-model qwen2.5-coder-0.5b \
+        --draft-vocabs 0,32768,8192 --eagle-depths 1 --skip-block
 """
 
 from __future__ import annotations
@@ -51,6 +58,10 @@ def main(argv=None) -> int:
     parser.add_argument("--eagle-depths", default="1,4,8", help="EAGLE-3 chain lengths to time")
     parser.add_argument("--draft-weights", default="int8", choices=["int8", "fp32"],
                         help="the drafters' own linears while drafting (specdec.heads.draft_linears)")
+    parser.add_argument("--small-model", default=None, help="also time the small-model drafter with this draft model")
+    parser.add_argument("--small-model-gamma", type=int, default=4)
+    parser.add_argument("--draft-vocabs", default="0,32768", help="small-model draft_vocab sizes to time (0 = all)")
+    parser.add_argument("--skip-block", action="store_true", help="leave out the DSpark / DFlash / EAGLE-3 rows")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -60,31 +71,43 @@ def main(argv=None) -> int:
     t1 = plain["verify_ms"]
     rows["plain"] = plain
     with tempfile.TemporaryDirectory() as tmp:
-        for kind, positions, options in (("dspark", args.block_size, {"block_size": args.block_size}),
-                                         ("dflash", args.block_size - 1, {"block_size": args.block_size})):
-            directory = os.path.join(tmp, kind)
-            untrained_drafter(target, kind, directory, positions, **options)
-            drafter = make_drafter(kind, target, checkpoint=directory, draft_weights=args.draft_weights)
-            rows[f"{kind} block {args.block_size}"] = per_step_ms(target, drafter, args.max_new_tokens, positions)
-            del drafter
-        directory = os.path.join(tmp, "eagle3")
-        depths = [int(d) for d in args.eagle_depths.split(",")]
-        untrained_drafter(target, "eagle3", directory, max(depths))
-        for depth in depths:
-            drafter = make_drafter("eagle3", target, checkpoint=directory, tree=False, gamma=depth,
-                                   draft_weights=args.draft_weights)
-            rows[f"eagle3 chain {depth}"] = per_step_ms(target, drafter, args.max_new_tokens, depth)
-        drafter = make_drafter("eagle3", target, checkpoint=directory, draft_weights=args.draft_weights)
-        rows["eagle3 tree (default)"] = per_step_ms(target, drafter, args.max_new_tokens, None)
+        if not args.skip_block:
+            block_drafter_rows(target, args, tmp, rows)
+    for vocab in [int(v) for v in args.draft_vocabs.split(",")] if args.small_model else []:
+        drafter = make_drafter("small-model", target, draft_model=args.small_model, tree=False,
+                               gamma=args.small_model_gamma, draft_vocab=vocab)
+        rows[f"small-model vocab {vocab or 'all'}"] = per_step_ms(target, drafter, args.max_new_tokens, args.small_model_gamma)
+        del drafter
     print(f"{args.model} ({args.weights or 'default'} weights), draft weights {args.draft_weights}: T(1) = {t1:.1f} ms (plain decoding's verify per step, this process)")
-    print(f"{'config':24s} {'drafted':>8s} {'draft ms':>9s} {'/T(1)':>6s} {'verify ms':>10s} {'/T(1)':>6s}")
+    print(f"{'config':24s} {'drafted':>8s} {'draft ms':>9s} {'/T(1)':>6s} {'per token /T(1)':>16s} {'verify ms':>10s} {'/T(1)':>6s}")
     for name, row in rows.items():
-        print(f"{name:24s} {row['drafted_per_step']:8.1f} {row['draft_ms']:9.1f} {row['draft_ms'] / t1:6.2f} "
+        per_token = f"{row['draft_ms'] / row['drafted_per_step'] / t1:.2f}" if row["drafted_per_step"] else "-"
+        print(f"{name:24s} {row['drafted_per_step']:8.1f} {row['draft_ms']:9.1f} {row['draft_ms'] / t1:6.2f} {per_token:>16s} "
               f"{row['verify_ms']:10.1f} {row['verify_ms'] / t1:6.2f}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"model": args.model, "t1_ms": t1, "rows": rows}, out, indent=2)
     return 0
+
+
+def block_drafter_rows(target, args, tmp: str, rows: dict) -> None:
+    """DSpark / DFlash blocks and EAGLE-3 chains and tree, untrained (cost does not depend on weights)."""
+    for kind, positions, options in (("dspark", args.block_size, {"block_size": args.block_size}),
+                                     ("dflash", args.block_size - 1, {"block_size": args.block_size})):
+        directory = os.path.join(tmp, kind)
+        untrained_drafter(target, kind, directory, positions, **options)
+        drafter = make_drafter(kind, target, checkpoint=directory, draft_weights=args.draft_weights)
+        rows[f"{kind} block {args.block_size}"] = per_step_ms(target, drafter, args.max_new_tokens, positions)
+        del drafter
+    directory = os.path.join(tmp, "eagle3")
+    depths = [int(d) for d in args.eagle_depths.split(",")]
+    untrained_drafter(target, "eagle3", directory, max(depths))
+    for depth in depths:
+        drafter = make_drafter("eagle3", target, checkpoint=directory, tree=False, gamma=depth,
+                               draft_weights=args.draft_weights)
+        rows[f"eagle3 chain {depth}"] = per_step_ms(target, drafter, args.max_new_tokens, depth)
+    drafter = make_drafter("eagle3", target, checkpoint=directory, draft_weights=args.draft_weights)
+    rows["eagle3 tree (default)"] = per_step_ms(target, drafter, args.max_new_tokens, None)
 
 
 if __name__ == "__main__":
