@@ -24,7 +24,12 @@ with fp32 on both sides (K = 3, 4 prompts x 48 tokens, the same outputs on both 
 EAGLE-3 1.38 / 1.50 (native and speculators format alike), DFlash 2.08 / 2.15, Medusa 2.92 / 3.00.
 """
 
+import contextlib
+import glob
 import json
+import os
+import re
+import signal
 
 import pytest
 from train_support import VOCAB, counter_selfdistill_data, make_counter_target, text_prompts
@@ -158,3 +163,43 @@ def test_vllm_cpu_refuses_dspark(counter, tmp_path):
     export_dir = _export("dspark", heads, counter, tmp_path / "export", "native")
     with pytest.raises(VllmError, match="does not support: dspark speculative decoding"):
         _vllm_acceptance(counter, export_dir, "dspark", _prompts(counter))
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (vLLM's engine core and its model workers), from /proc."""
+    parents = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = open(stat).read().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we looked
+            continue
+        parents[int(stat.split("/")[2])] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def test_a_dead_vllm_engine_is_one_clear_error_and_closes(counter):
+    """vLLM's engine killed under a running worker (as the OOM killer or a native crash would): the next
+    request is a one-line VllmError naming the dead engine, and closing the worker does not hang."""
+    from specdec.peers.vllm_client import VllmError, VllmWorker
+
+    prompt = _prompts(counter)[0]
+    with VllmWorker(counter.model_dir, None, {"enforce_eager": True, "gpu_memory_utilization": 0.1,
+                                             "max_model_len": 256, "dtype": "float32"}) as worker:
+        assert len(worker.generate(prompt, 8, counter.eos_token_ids).tokens) > 0
+        engine = _descendants(worker.process.pid)
+        assert engine, "vLLM runs its engine in a child process; none was found"
+        for pid in engine:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with pytest.raises(VllmError) as failure:
+            worker.generate(prompt, 8, counter.eos_token_ids)
+        message = str(failure.value)
+        print(message)
+        assert "\n" not in message
+        assert re.search(r"EngineDead|died|exited", message), message
+    assert worker.process is None  # closed

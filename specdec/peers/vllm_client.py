@@ -43,8 +43,9 @@ ENGINE_DEAD = "EngineDeadError"  # the worker's one-line answer once vLLM's engi
 DEAD_WORKER = re.compile(r"Worker proc \S+ died unexpectedly.*$")
 
 
-def root_cause(log: str) -> str:
-    """The first exception in the worker's log that is not vLLM's generic wrapper or a warning, else its last line."""
+def logged_failure(log: str) -> str | None:
+    """The worker log's dead-worker line, else its first exception that is not vLLM's generic wrapper or a
+    warning; None when it logged neither."""
     lines = [line.strip() for line in log.splitlines() if line.strip() and " WARNING " not in line]
     for line in lines:
         if match := DEAD_WORKER.search(line):
@@ -56,7 +57,13 @@ def root_cause(log: str) -> str:
             if "validation error" in cause and index + 1 < len(lines):  # pydantic: the reason is on the next line
                 cause += ": " + lines[index + 1].split(" [type=", 1)[0]
             return cause[:600]
-    return lines[-1][:600] if lines else "no output"
+    return None
+
+
+def root_cause(log: str) -> str:
+    """What the worker's log says went wrong: its logged failure, else its last line that is not a warning."""
+    lines = [line.strip() for line in log.splitlines() if line.strip() and " WARNING " not in line]
+    return logged_failure(log) or (lines[-1][:600] if lines else "no output")
 
 
 class VllmWorker:
@@ -83,8 +90,8 @@ class VllmWorker:
         reply = json.loads(line)
         if "error" in reply:
             error = reply["error"]
-            if error.startswith(ENGINE_DEAD):  # it says "see stack trace above": the cause is in the log
-                error += f" (log: {root_cause(self.log_text())})"
+            if error.startswith(ENGINE_DEAD) and (cause := logged_failure(self.log_text())):  # vLLM's says "see stack trace above"
+                error += f" (log: {cause})"
             raise VllmError(f"vLLM failed while {doing}: {error}")
         return reply
 
@@ -94,13 +101,14 @@ class VllmWorker:
 
     def generate(self, prompt_ids: list[int], max_tokens: int, stop_token_ids: list[int], temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> VllmAnswer:
-        if self.process.poll() is not None:
-            raise VllmError(f"the vLLM worker has exited (exit {self.process.returncode})")
         request = {"prompt_ids": [int(t) for t in prompt_ids], "max_tokens": int(max_tokens),
                    "stop_token_ids": [int(t) for t in stop_token_ids], "temperature": temperature, "top_k": top_k,
                    "top_p": top_p, "seed": seed}
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
+        try:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:  # the worker has exited: its last line says why (an engine death), else its log
+            pass
         reply = self._read("generating")
         return VllmAnswer(tokens=[int(t) for t in reply["tokens"]], drafts=reply["drafts"], draft_tokens=reply["draft_tokens"],
                           accepted_tokens=reply["accepted_tokens"], accepted_per_position=reply["accepted_per_position"])

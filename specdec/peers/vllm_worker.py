@@ -15,11 +15,16 @@ request line:
 
 The protocol has the process's original stdout to itself: everything else written to stdout
 (vLLM's logging, its engine process) goes to stderr. EOF on stdin ends the worker.
+
+If a process of vLLM's engine dies (the OOM killer, a native crash), `LLM.generate` can wait for it
+forever; a watch thread then answers {"error": "EngineDeadError: ..."} and ends the worker.
 """
 
 import json
 import os
 import sys
+import threading
+import time
 
 COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
             "accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
@@ -69,15 +74,58 @@ def answer(llm, request: dict) -> dict:
     return result
 
 
+ENGINE_WATCH_SECONDS = 1.0
+
+
+class Channel:
+    """The answer stream, written by the request loop and by the engine watch (one line at a time)."""
+
+    def __init__(self, stream):
+        self.stream, self.lock = stream, threading.Lock()
+
+    def write(self, message: dict) -> None:
+        with self.lock:
+            self.stream.write(json.dumps(message) + "\n")
+            self.stream.flush()
+
+
+def watch_engine(channel: Channel, closing: threading.Event) -> None:
+    """Answer and exit when a process vLLM started for its engine dies while the worker serves.
+
+    Only the worker's own children (the engine core): theirs come and go (compile pools) or are the engine
+    core's to watch (a dead model worker makes vLLM raise EngineDeadError itself)."""
+    import psutil  # a vLLM dependency
+
+    engine = [(process, process.name()) for process in psutil.Process().children()]
+
+    def alive(process) -> bool:
+        try:
+            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def watch() -> None:
+        while not closing.wait(ENGINE_WATCH_SECONDS):
+            dead = [(process.pid, name) for process, name in engine if not alive(process)]
+            if dead and not closing.is_set():
+                pid, name = dead[0]
+                channel.write({"error": f"EngineDeadError: vLLM's engine process {pid} ({name}) died"})
+                os._exit(3)
+
+    threading.Thread(target=watch, name="engine-watch", daemon=True).start()
+
+
 def main() -> int:
-    channel = protocol_channel()
+    channel = Channel(protocol_channel())
     settings = json.loads(sys.argv[1])
     import vllm
     from vllm import LLM
 
     llm = LLM(model=settings["model"], skip_tokenizer_init=True, disable_log_stats=False,
               speculative_config=settings.get("speculative_config"), **(settings.get("llm") or {}))
-    channel.write(json.dumps({"ready": True, "vllm": vllm.__version__, "settings": settings}) + "\n")
+    closing = threading.Event()
+    watch_engine(channel, closing)
+    channel.write({"ready": True, "vllm": vllm.__version__, "settings": settings})
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -85,7 +133,8 @@ def main() -> int:
             result = answer(llm, json.loads(line))
         except Exception as error:  # noqa: BLE001 - a bad request is answered, the engine stays up
             result = {"error": f"{type(error).__name__}: {' '.join(str(error).split())}"}
-        channel.write(json.dumps(result) + "\n")
+        channel.write(result)
+    closing.set()  # EOF: vLLM's engine shuts down as the worker returns, which is not a death
     return 0
 
 
