@@ -30,6 +30,7 @@ import json
 import os
 import re
 import signal
+import time
 
 import pytest
 from train_support import VOCAB, counter_selfdistill_data, make_counter_target, text_prompts
@@ -203,3 +204,42 @@ def test_a_dead_vllm_engine_is_one_clear_error_and_closes(counter):
         assert "\n" not in message
         assert re.search(r"EngineDead|died|exited", message), message
     assert worker.process is None  # closed
+
+
+def test_the_bench_runs_vllm_plain_with_its_options_in_the_engine(counter):
+    """The bench's vllm-plain, built from its option strings as `--methods vllm-plain:dtype=float32:...`
+    gives them, generates in vLLM what specdec's plain decoding generates (fp32 both sides)."""
+    from specdec.bench.methods import METHODS, PeerSource
+    from specdec.bench.peers_vllm import VllmTarget
+    from specdec.bench.runner import BenchConfig
+    from specdec.peers.envs import VLLM
+
+    source = PeerSource(str(counter.model_dir), counter.model_dir, counter.tokenizer, counter.vocab_size, counter.eos_token_ids)
+    target = VllmTarget(counter.model_dir, source, VLLM.version)
+    method = METHODS["vllm-plain"].build(target, {"dtype": "float32", "enforce_eager": "1", "max_model_len": "256"}, BenchConfig())
+    try:
+        assert "dtype=float32" in method.description and "eager" in method.description
+        for prompt in _prompts(counter)[:2]:
+            ours = generate(counter, prompt, None, MAX_NEW_TOKENS, SamplingParams()).tokens
+            theirs = method.generate(prompt, MAX_NEW_TOKENS, SamplingParams())
+            assert theirs.tokens == ours
+            assert theirs.target_forwards == len(theirs.tokens)  # plain: one forward per token
+    finally:
+        method.close()
+
+
+def test_a_terminated_vllm_worker_takes_its_engine_with_it(counter):
+    """SIGTERM to the worker (a user's Ctrl-C of the bench, a killed job): vLLM's engine processes end too
+    instead of holding their memory as orphans."""
+    from specdec.peers.vllm_client import VllmWorker
+
+    with VllmWorker(counter.model_dir, None, {"enforce_eager": True, "gpu_memory_utilization": 0.1,
+                                             "max_model_len": 256, "dtype": "float32"}) as worker:
+        engine = _descendants(worker.process.pid)
+        assert engine
+        worker.process.terminate()
+        worker.process.wait(timeout=120)
+        deadline = time.monotonic() + 60
+        while (alive := [pid for pid in engine if os.path.exists(f"/proc/{pid}")]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not alive, f"vLLM engine processes {alive} outlived their worker"

@@ -11,8 +11,10 @@
 Options (`vllm-ngram:num_speculative_tokens=5`): num_speculative_tokens, enforce_eager (0/1:
 skip inductor compilation), max_model_len, gpu_memory_utilization (on CPU: the fraction of the
 node's memory vLLM reserves, default 0.25 here instead of vLLM's 0.92, which a shared machine
-never has free), plus each method's own (prompt_lookup_min / _max for ngram). vLLM runs the target's float HF directory (`models/float_dir.py`) in its default dtype
-(bf16 on CPU). tau = tokens / target forwards, forwards = tokens - accepted draft tokens (vLLM's
+never has free), dtype (vLLM's own: auto, bfloat16, float32), plus each method's own (prompt_lookup_min /
+_max for ngram). vLLM runs the target's float HF directory (`models/float_dir.py`) in its default dtype
+(bf16 on CPU) unless dtype is given; on CPUs with AMX vLLM 0.32's bf16 worker dies at start, so there
+the vLLM methods need dtype=float32 (the bench's error says so). tau = tokens / target forwards, forwards = tokens - accepted draft tokens (vLLM's
 spec-decode counters). The outputs are compared with vllm-plain's; a difference is a warning
 (vLLM's bf16 arithmetic and batch-dependent kernels are not specdec's).
 """
@@ -27,8 +29,13 @@ from .peers import parse_options
 from .report import BASELINE
 from ..models.base import Target
 
-COMMON_OPTIONS = {"num_speculative_tokens": int, "enforce_eager": int, "max_model_len": int, "gpu_memory_utilization": float}
-ENGINE_OPTIONS = ("enforce_eager", "max_model_len", "gpu_memory_utilization")  # LLM(...) arguments, not speculative ones
+COMMON_OPTIONS = {"num_speculative_tokens": int, "enforce_eager": int, "max_model_len": int, "gpu_memory_utilization": float,
+                  "dtype": str}
+ENGINE_OPTIONS = ("enforce_eager", "max_model_len", "gpu_memory_utilization", "dtype")  # LLM(...) arguments, not speculative ones
+# vLLM 0.32 CPU in bf16 (its default) takes its AMX attention kernel wherever the CPU has AMX tiles, and on a
+# Sapphire-Rapids Xeon that kernel's model worker dies at start (head_dim 32 and 128 alike); fp32 runs
+AMX_BF16_HINT = ("vLLM 0.32's bf16 attention on CPUs with AMX kills its worker here: run the vLLM methods with "
+                 ":dtype=float32 (e.g. vllm-plain:dtype=float32)")
 # the one default we change: vLLM CPU reserves gpu_memory_utilization (0.92) of the node's memory for
 # its KV cache and refuses to start when less is free, which on a shared machine it never is
 DEFAULT_MEMORY_FRACTION = 0.25
@@ -78,13 +85,14 @@ class VllmMethod(BenchMethod):
     exact = False  # vLLM's arithmetic (bf16): a difference from vllm-plain is a warning
 
     def __init__(self, target: VllmTarget, speculative_config: dict | None, llm_kwargs: dict, description: str):
-        from ..peers.vllm_client import VllmError, VllmWorker
+        from ..peers.vllm_client import DEAD_WORKER, VllmError, VllmWorker
 
         self.eos_ids, self.description = list(target.eos_token_ids), description
         try:
             self.worker = VllmWorker(target.model_dir, speculative_config, llm_kwargs)
         except VllmError as error:
-            raise MethodUnavailable(str(error)) from None
+            hint = f" ({AMX_BF16_HINT})" if DEAD_WORKER.search(str(error)) and "dtype" not in llm_kwargs and _has_amx() else ""
+            raise MethodUnavailable(f"{error}{hint}") from None
 
     def generate(self, prompt_ids, max_new_tokens, sampling) -> MethodOutput:
         answer = self.worker.generate(prompt_ids, max_new_tokens, self.eos_ids, sampling.temperature, sampling.top_k,
@@ -95,6 +103,12 @@ class VllmMethod(BenchMethod):
         if getattr(self, "worker", None) is not None:
             self.worker.close()
         self.worker = None
+
+
+def _has_amx() -> bool:
+    from ..kernels.build import cpu_flags
+
+    return {"amx_tile", "amx_bf16"} <= cpu_flags()
 
 
 @dataclass(frozen=True)
@@ -152,7 +166,7 @@ def _describe(name: str, spec: dict | None, llm_kwargs: dict, version: str) -> s
     settings = ", ".join(f"{k}={v}" for k, v in (spec or {}).items() if k != "model")
     drafter = f", drafter {spec['model']}" if spec and "model" in spec else ""
     mode = "eager (enforce_eager=True)" if llm_kwargs.get("enforce_eager") else "compiled (vLLM's default)"
-    mode += f", gpu_memory_utilization={llm_kwargs['gpu_memory_utilization']}"
+    mode += f", gpu_memory_utilization={llm_kwargs['gpu_memory_utilization']}, dtype={llm_kwargs.get('dtype', 'default')}"
     return f"vLLM {version} CPU {name.removeprefix('vllm-')}" + (f" ({settings}{drafter})" if spec else "") + f", {mode}"
 
 
@@ -166,7 +180,7 @@ def _builder(name: str, kind: VllmMethodKind):
         if kind.requires and not VLLM.has_module(kind.requires):
             raise MethodUnavailable(f"{kind.requires} is not in the vLLM venv ({VLLM.directory}): {SUFFIX_MISSING}")
         llm_kwargs = {"gpu_memory_utilization": parsed.pop("gpu_memory_utilization", DEFAULT_MEMORY_FRACTION),
-                      **{key: parsed.pop(key) for key in ("max_model_len",) if key in parsed}}
+                      **{key: parsed.pop(key) for key in ("max_model_len", "dtype") if key in parsed}}
         if parsed.pop("enforce_eager", 0):
             llm_kwargs["enforce_eager"] = True
         spec = kind.speculative_config(parsed, config)

@@ -22,9 +22,9 @@ forever; a watch thread then answers {"error": "EngineDeadError: ..."} and ends 
 
 import json
 import os
+import signal
 import sys
 import threading
-import time
 
 COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
             "accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
@@ -116,6 +116,8 @@ def watch_engine(channel: Channel, closing: threading.Event) -> None:
 
 
 def main() -> int:
+    # SIGTERM as a normal exit, so that vLLM's own shutdown ends its engine processes instead of orphaning them
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     channel = Channel(protocol_channel())
     settings = json.loads(sys.argv[1])
     import vllm
