@@ -13,8 +13,8 @@ skip inductor compilation), max_model_len, gpu_memory_utilization (on CPU: the f
 node's memory vLLM reserves, default 0.25 here instead of vLLM's 0.92, which a shared machine
 never has free), dtype (vLLM's own: auto, bfloat16, float32), plus each method's own (prompt_lookup_min /
 _max for ngram). vLLM runs the target's float HF directory (`models/float_dir.py`) in its default dtype
-(bf16 on CPU) unless dtype is given; on a CPU with AMX vLLM 0.32's worker died at start in bf16 and, for the
-1.5B, in compiled fp32 too, so there the vLLM methods need dtype=float32:enforce_eager=1 (the bench's n/a says so). tau = tokens / target forwards, forwards = tokens - accepted draft tokens (vLLM's
+(bf16 on CPU) unless dtype is given. On a CPU with AMX vLLM 0.32's worker dies at start in bf16, and for
+Qwen2.5-Coder-1.5B in fp32 too (compiled and eager); tiny models run in fp32 (the bench's n/a says so). tau = tokens / target forwards, forwards = tokens - accepted draft tokens (vLLM's
 spec-decode counters). The outputs are compared with vllm-plain's; a difference is a warning
 (vLLM's bf16 arithmetic and batch-dependent kernels are not specdec's).
 """
@@ -32,10 +32,10 @@ from ..models.base import Target
 COMMON_OPTIONS = {"num_speculative_tokens": int, "enforce_eager": int, "max_model_len": int, "gpu_memory_utilization": float,
                   "dtype": str}
 ENGINE_OPTIONS = ("enforce_eager", "max_model_len", "gpu_memory_utilization", "dtype")  # LLM(...) arguments, not speculative ones
-# vLLM 0.32 CPU on a Sapphire-Rapids Xeon with AMX: its model worker dies at start in bf16 (its AMX attention;
-# head_dim 32 and 128 alike) and, for Qwen2.5-Coder-1.5B, in compiled fp32 too; eager fp32 runs (tests/test_interop.py)
-AMX_HINT = ("vLLM 0.32's CPU worker dies at start on this AMX CPU with bf16 or compilation: run the vLLM methods with "
-            ":dtype=float32:enforce_eager=1 (e.g. vllm-plain:dtype=float32:enforce_eager=1)")
+# vLLM 0.32 CPU on a Sapphire-Rapids Xeon with AMX: its model worker dies at start (a native crash) in bf16 for
+# any model (its AMX attention), and for Qwen2.5-Coder-1.5B in fp32 too, compiled or eager; tiny models run in fp32
+AMX_HINT = ("vLLM 0.32's CPU worker crashes at start on CPUs with AMX: bf16 always, larger models in float32 too; "
+            "tiny models run with :dtype=float32")
 # the one default we change: vLLM CPU reserves gpu_memory_utilization (0.92) of the node's memory for
 # its KV cache and refuses to start when less is free, which on a shared machine it never is
 DEFAULT_MEMORY_FRACTION = 0.25
@@ -91,8 +91,7 @@ class VllmMethod(BenchMethod):
         try:
             self.worker = VllmWorker(target.model_dir, speculative_config, llm_kwargs)
         except VllmError as error:
-            tried = llm_kwargs.get("dtype") == "float32" and llm_kwargs.get("enforce_eager")
-            hint = f" ({AMX_HINT})" if DEAD_WORKER.search(str(error)) and not tried and _has_amx() else ""
+            hint = f" ({AMX_HINT})" if DEAD_WORKER.search(str(error)) and _has_amx() else ""
             raise MethodUnavailable(f"{error}{hint}") from None
 
     def generate(self, prompt_ids, max_new_tokens, sampling) -> MethodOutput:
