@@ -65,7 +65,8 @@ transformers' own methods, `llama-plain` and `llama-lookup` llama.cpp's (`pip in
 (`specdec peers install vllm`; [interop.md](interop.md)).
 Trained-head drafters (`medusa`, `mtp`, `eagle1`, `eagle3`, `dflash`, `dspark`) need a checkpoint
 from `specdec train` (see [eagle.md](eagle.md), [dflash.md](dflash.md), [dspark.md](dspark.md)),
-passed as `--methods plain,eagle3:checkpoint=DIR`. Serving under load is measured by
+passed as `--methods plain,eagle3:checkpoint=DIR`; a drafter's own `gamma=N` (`eagle3:checkpoint=DIR:gamma=4`)
+runs it at that fixed length beside the run's `--gamma`. Serving under load is measured by
 `python scripts/load_bench.py` (per-user and total tokens/s at several concurrencies).
 """
 

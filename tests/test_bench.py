@@ -188,6 +188,25 @@ def test_machine_named_by_the_kernel_s_cpu_features():
     assert describe_machine({**base, "cpu_features": ["avx2", "avx512f", "avx512_vnni", "amx_tile", "amx_int8"]}) == \
         "AMD EPYC, AVX-512 VNNI, AMX, 2 threads"
     assert describe_machine({**base, "cpu_features": ["avx2", "fma", "f16c"]}) == "AMD EPYC, AVX2, no AMX, 2 threads"
+    # the kernel's own settings: tiles off, an AVX2 build on an AVX-512 CPU
+    amx_cpu = {**base, "cpu_features": ["avx2", "avx512f", "avx512_vnni", "amx_tile", "amx_int8"]}
+    assert describe_machine({**amx_cpu, "kernel_isa": "avx512", "kernel_amx": False}) == \
+        "AMD EPYC, AVX-512 VNNI, AMX off (SPECDEC_KERNEL_AMX=0), 2 threads"
+    assert describe_machine({**amx_cpu, "kernel_isa": "avx2", "kernel_amx": False}) == \
+        "AMD EPYC, AVX-512 VNNI (kernel built for AVX2: SPECDEC_KERNEL_ISA=avx2), AMX unused, 2 threads"
+
+
+def test_machine_record_names_the_kernel_s_build_and_amx(monkeypatch):
+    from specdec.bench.environment import machine_record
+    from specdec.kernels.library import KernelUnavailable, load_library
+
+    try:
+        kernel = load_library()
+    except KernelUnavailable as exc:
+        pytest.skip(f"no kernel here: {exc}")
+    record = machine_record("cpp")
+    assert (record["kernel_isa"], record["kernel_amx"]) == (kernel.isa, kernel.amx)
+    assert machine_record("torch")["kernel_isa"] is None
 
 
 def test_unknown_method_fails_before_loading_anything(capsys):
@@ -205,7 +224,7 @@ def smollm2_bench(smollm2, tmp_path_factory):
     """One real tiny bench run (one question per task kind, 16 tokens) in <tmp>/smollm2-tiny, the way
     `specdec bench --out docs/results/NAME` leaves a run: (its config, its folder)."""
     out_dir = tmp_path_factory.mktemp("results") / "smollm2-tiny"
-    methods = ["plain", _drafter_name(), "hf-plain", "hf-assisted", "small-model"]
+    methods = ["plain", _drafter_name(), f"{_drafter_name()}:gamma=1", "hf-plain", "hf-assisted", "small-model"]
     config = BenchConfig(methods=methods, limit_per_kind=1, max_new_tokens=16, gamma=4, out_dir=str(out_dir),
                          progress=False, warmup=False)  # the warm-up path runs in the planted-mismatch test
     result = run_benchmark(config, target=smollm2)
@@ -229,6 +248,11 @@ def test_bench_smollm2_every_kind(smollm2, smollm2_bench):
     # lossless: the drafter's tokens are plain's, question by question and turn by turn
     for key, row in rows[drafter].items():
         assert row["tokens"] == rows["plain"][key]["tokens"] and row["matches_plain"] is True
+    # the same drafter at its own fixed length (gamma=1 beside the run's 4): as exact, one token per draft
+    fixed = f"{drafter}:gamma=1"
+    for key, row in rows[fixed].items():
+        assert row["tokens"] == rows["plain"][key]["tokens"] and row["matches_plain"] is True
+    assert all(row["stats"]["drafted_tokens"] <= row["stats"]["steps"] for row in rows[fixed].values())
     # turn 2 of the multi-turn question is asked after the model's own turn-1 answer
     multi = next(q for q in questions if q.task_kind == MULTI_TURN).question_id
     first, second = rows["plain"][(multi, 1)], rows["plain"][(multi, 2)]

@@ -44,11 +44,19 @@ def machine_record(linear_backend: str | None = None) -> dict:
 
     flags = cpu_flags()
     llama_cpp = sys.modules.get("llama_cpp")  # imported only when a llama-* peer ran
+    kernel_isa = kernel_amx = None
+    if linear_backend == "cpp":  # the build and AMX setting the target's linears ran on
+        from ..kernels.library import load_library
+
+        kernel = load_library()
+        kernel_isa, kernel_amx = kernel.isa, kernel.amx
     return {
         "cpu": cpu_model(),
         "cpu_features": [feature for feature in KERNEL_CPU_FEATURES if feature in flags],
         "threads": torch.get_num_threads(),
         "linear_backend": linear_backend,
+        "kernel_isa": kernel_isa,
+        "kernel_amx": kernel_amx,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "llama_cpp": getattr(llama_cpp, "__version__", None),
@@ -58,14 +66,19 @@ def machine_record(linear_backend: str | None = None) -> dict:
 
 
 def describe_machine(record: dict) -> str:
-    """'AMD EPYC, AVX-512 VNNI/BF16, no AMX, 2 threads' from a machine record (results.json config)."""
+    """'AMD EPYC, AVX-512 VNNI/BF16, no AMX, 2 threads' from a machine record (results.json config);
+    a kernel built for AVX2 on an AVX-512 CPU, or with its AMX tiles turned off, is named too."""
     features = set(record.get("cpu_features") or ())
     if "avx512f" in features:
         extras = [name for flag, name in (("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16")) if flag in features]
         isa = "AVX-512" + (" " + "/".join(extras) if extras else "")
+        if record.get("kernel_isa") == "avx2":
+            isa += " (kernel built for AVX2: SPECDEC_KERNEL_ISA=avx2)"
     else:
         isa = "AVX2" if "avx2" in features else "no AVX2"
     amx = "AMX" if {"amx_tile", "amx_int8"} <= features else "no AMX"
+    if amx == "AMX" and record.get("kernel_amx") is False:  # the AVX2 build has no tile paths
+        amx = "AMX unused" if record.get("kernel_isa") == "avx2" else "AMX off (SPECDEC_KERNEL_AMX=0)"
     return f"{record.get('cpu', 'unknown CPU')}, {isa}, {amx}, {record.get('threads', '?')} threads"
 
 

@@ -147,7 +147,11 @@ def _drafter_entry(name: str) -> MethodEntry | None:
     def build(target, options: dict, config) -> BenchMethod:
         from ..drafters import drafter_options, make_drafter
 
+        options = dict(options)
         try:
+            # `gamma` is the run's (--gamma) unless the method sets its own: one table can show a drafter
+            # under the cost model beside the same drafter at a fixed length
+            gamma = parse_gamma(options.pop("gamma")) if "gamma" in options else config.gamma
             typed = drafter_options(name, [f"{key}={value}" for key, value in options.items()])
         except ValueError as error:
             raise ValueError(f"method {name!r}: {error}") from None
@@ -163,7 +167,8 @@ def _drafter_entry(name: str) -> MethodEntry | None:
             raise MethodUnavailable(f"{type(error).__name__}: {error}") from None
         summary = (drafter_class.__doc__ or name).strip().splitlines()[0]
         settings = ", ".join(f"{k}={v}" for k, v in typed.items())
-        return SpecdecMethod(target, drafter, config.gamma, f"{summary}{f' ({settings})' if settings else ''}")
+        settings = ", ".join(filter(None, [settings, f"gamma={gamma}" if gamma != config.gamma else ""]))
+        return SpecdecMethod(target, drafter, gamma, f"{summary}{f' ({settings})' if settings else ''}")
 
     return MethodEntry(build, help=(drafter_class.__doc__ or "").strip())
 
@@ -486,7 +491,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "llama-plain, llama-lookup (llama.cpp: pip install 'specdec[peers]'), vllm-plain, "
                              "vllm-ngram, vllm-suffix, vllm-draft-model, vllm-eagle3, vllm-dflash, vllm-dspark, vllm-medusa "
                              "(vLLM CPU in its own venv: specdec peers install vllm); "
-                             "options as NAME:KEY=VALUE:KEY=VALUE (default: %(default)s)")
+                             "options as NAME:KEY=VALUE:KEY=VALUE; a drafter's gamma=N|auto replaces --gamma for "
+                             "that method (default: %(default)s)")
     parser.add_argument("--target", default=DEFAULT_MODEL, help="target model: registry name, HF dir or .gguf")
     parser.add_argument("--draft-model", default=None,
                         help="draft model for small-model and hf-assisted (default: qwen2.5-coder-0.5b for "
