@@ -3,11 +3,8 @@
 Drafters of every kind vLLM 0.32 loads on CPU (EAGLE-3, DFlash, Medusa; EAGLE-3 and DFlash also
 in the speculators format) are trained here on the tiny counter target (head_dim 32: the smallest
 vLLM's CPU attention takes), exported, and run on the same prompts with the same draft length,
-greedy, here and in vLLM (in its own venv and process), both in fp32. fp32 rather than vLLM's CPU
-default bf16: with bf16 on a CPU with AMX tiles, vLLM 0.32 picks its AMX attention kernel, whose
-worker process dies on head_dim 32 (seen on a Sapphire-Rapids Xeon: "Worker proc VllmWorker-0
-died unexpectedly", a native crash inside unified_attention_with_output); fp32 takes its vector
-attention on every x86 CPU. The
+greedy, here and in vLLM (in its own venv and process), both in fp32 (rather than vLLM's CPU default
+bf16: the same weights on both sides keep the bound below tight). The
 accepted draft tokens per draft agree within PARITY_BOUND, and both sides generate the same tokens.
 DSpark: vLLM 0.32's CPU runner refuses it ("Model Runner V1 does not support: dspark speculative
 decoding"); test_vllm_cpu_refuses_dspark keeps that finding checked.

@@ -134,6 +134,36 @@ def test_medusa_has_no_speculators_format(tmp_path, capsys):
     assert "speculators has no Medusa type" in capsys.readouterr().err and not (tmp_path / "out" / "config.json").exists()
 
 
+_GET_PERMITTED_FEATURES = ("import ctypes, sys; mask = ctypes.c_uint64(); "
+                           "ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(mask)); sys.stdout.write(str(mask.value))")
+
+
+def test_every_process_of_the_engine_venv_may_use_amx_tiles(tmp_path, monkeypatch):
+    """The install writes the startup line; a fresh interpreter of the venv (as vLLM's spawned engine
+    processes are) starts with the AMX tile permission where the CPU has AMX, and cleanly elsewhere;
+    a venv installed before the line gets it on use."""
+    import dataclasses
+    import subprocess
+
+    from specdec.kernels.build import cpu_flags
+    from specdec.peers import envs
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    env = dataclasses.replace(envs.VLLM, import_check="import sys")
+    monkeypatch.setattr(envs, "_run_step", _skip_pip(envs._run_step))
+    monkeypatch.setitem(envs.ENGINES, "vllm", env)
+    python = envs.install(env, progress=False)
+    assert env.startup_file().read_text() == envs.AMX_PERMISSION_LINE + "\n"
+    started = subprocess.run([str(python), "-c", _GET_PERMITTED_FEATURES], capture_output=True, text=True, check=True)
+    assert started.stderr == ""  # the line itself never fails a start
+    if "amx_tile" in cpu_flags():
+        assert int(started.stdout) >> 18 & 1, "XTILEDATA not permitted in the venv's fresh process"
+        bare = subprocess.run([str(python), "-S", "-c", _GET_PERMITTED_FEATURES], capture_output=True, text=True)
+        assert not int(bare.stdout) >> 18 & 1  # without site (no .pth): not permitted, so the line is what grants it
+    env.startup_file().unlink()
+    assert envs.installed_python("vllm") == python and env.startup_file().is_file()  # repaired on use
+
+
 def test_a_failed_install_step_is_one_line_with_pips_error(tmp_path, monkeypatch, capsys):
     """The failing step's own error line (pip's "ERROR: ..."), a user error of the CLI, and no marker."""
     import dataclasses
@@ -195,9 +225,19 @@ FAILED_START_LOG = """\
 RuntimeError: Engine core initialization failed. See root cause above.
 """
 
+# a real vLLM 0.32 log (Qwen2.5-Coder-1.5B, bf16, its default max_model_len): the worker raises, then the
+# engine reports the worker's death; the exception is the cause
+KV_CACHE_LOG = """\
+(EngineCore pid=15519) ERROR 12-03 12:10:30 [core.py:1510]     raise ValueError(
+(EngineCore pid=15519) ERROR 12-03 12:10:30 [core.py:1510] ValueError: To serve at least one request with the model's max seq len (32768), (0.88 GiB KV cache is needed, which is larger than the available KV cache memory (0.87 GiB).
+(EngineCore pid=15519) ERROR 12-03 12:10:33 [multiproc_executor.py:315] Worker proc VllmWorker-0 died unexpectedly (exit code: 0), shutting down executor.
+"""
+
 
 @pytest.mark.parametrize("log, cause", [
     (DEAD_WORKER_LOG, "Worker proc VllmWorker-0 died unexpectedly (exit code: None), shutting down executor."),
+    (KV_CACHE_LOG, "ValueError: To serve at least one request with the model's max seq len (32768), (0.88 GiB KV cache "
+                   "is needed, which is larger than the available KV cache memory (0.87 GiB)."),
     (FAILED_START_LOG, "ValueError: head_size 24 is not supported by CPU_ATTN"),
     ("", "no output"),
 ])

@@ -13,14 +13,17 @@ skip inductor compilation), max_model_len, gpu_memory_utilization (on CPU: the f
 node's memory vLLM reserves, default 0.25 here instead of vLLM's 0.92, which a shared machine
 never has free), dtype (vLLM's own: auto, bfloat16, float32), plus each method's own (prompt_lookup_min /
 _max for ngram). vLLM runs the target's float HF directory (`models/float_dir.py`) in its default dtype
-(bf16 on CPU) unless dtype is given. On a CPU with AMX vLLM 0.32's worker dies at start in bf16, and for
-Qwen2.5-Coder-1.5B in fp32 too (compiled and eager); tiny models run in fp32 (the bench's n/a says so). tau = tokens / target forwards, forwards = tokens - accepted draft tokens (vLLM's
+(bf16 on CPU) unless dtype is given. max_model_len defaults to 8192 (or the model's own limit, if lower):
+vLLM's default, the model's (32768 for Qwen2.5), needs a KV cache for one whole such request, which 0.25
+of a 24 GiB machine does not hold (vLLM's worker raises and dies at start); a Spec-Bench question and its
+answer fit 8192. tau = tokens / target forwards, forwards = tokens - accepted draft tokens (vLLM's
 spec-decode counters). The outputs are compared with vllm-plain's; a difference is a warning
 (vLLM's bf16 arithmetic and batch-dependent kernels are not specdec's).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,10 +35,7 @@ from ..models.base import Target
 COMMON_OPTIONS = {"num_speculative_tokens": int, "enforce_eager": int, "max_model_len": int, "gpu_memory_utilization": float,
                   "dtype": str}
 ENGINE_OPTIONS = ("enforce_eager", "max_model_len", "gpu_memory_utilization", "dtype")  # LLM(...) arguments, not speculative ones
-# vLLM 0.32 CPU on a Sapphire-Rapids Xeon with AMX: its model worker dies at start (a native crash) in bf16 for
-# any model (its AMX attention), and for Qwen2.5-Coder-1.5B in fp32 too, compiled or eager; tiny models run in fp32
-AMX_HINT = ("vLLM 0.32's CPU worker crashes at start on CPUs with AMX: bf16 always, larger models in float32 too; "
-            "tiny models run with :dtype=float32")
+DEFAULT_MAX_MODEL_LEN = 8192  # instead of the model's own limit (module doc)
 # the one default we change: vLLM CPU reserves gpu_memory_utilization (0.92) of the node's memory for
 # its KV cache and refuses to start when less is free, which on a shared machine it never is
 DEFAULT_MEMORY_FRACTION = 0.25
@@ -85,14 +85,13 @@ class VllmMethod(BenchMethod):
     exact = False  # vLLM's arithmetic (bf16): a difference from vllm-plain is a warning
 
     def __init__(self, target: VllmTarget, speculative_config: dict | None, llm_kwargs: dict, description: str):
-        from ..peers.vllm_client import DEAD_WORKER, VllmError, VllmWorker
+        from ..peers.vllm_client import VllmError, VllmWorker
 
         self.eos_ids, self.description = list(target.eos_token_ids), description
         try:
             self.worker = VllmWorker(target.model_dir, speculative_config, llm_kwargs)
         except VllmError as error:
-            hint = f" ({AMX_HINT})" if DEAD_WORKER.search(str(error)) and _has_amx() else ""
-            raise MethodUnavailable(f"{error}{hint}") from None
+            raise MethodUnavailable(str(error)) from None
 
     def generate(self, prompt_ids, max_new_tokens, sampling) -> MethodOutput:
         answer = self.worker.generate(prompt_ids, max_new_tokens, self.eos_ids, sampling.temperature, sampling.top_k,
@@ -105,10 +104,13 @@ class VllmMethod(BenchMethod):
         self.worker = None
 
 
-def _has_amx() -> bool:
-    from ..kernels.build import cpu_flags
-
-    return {"amx_tile", "amx_bf16"} <= cpu_flags()
+def _default_max_model_len(model_dir: Path) -> int:
+    """DEFAULT_MAX_MODEL_LEN, or the model's max_position_embeddings when lower (vLLM refuses more)."""
+    try:
+        limit = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        limit = None
+    return min(DEFAULT_MAX_MODEL_LEN, limit) if isinstance(limit, int) and limit > 0 else DEFAULT_MAX_MODEL_LEN
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,8 @@ def _describe(name: str, spec: dict | None, llm_kwargs: dict, version: str) -> s
     settings = ", ".join(f"{k}={v}" for k, v in (spec or {}).items() if k != "model")
     drafter = f", drafter {spec['model']}" if spec and "model" in spec else ""
     mode = "eager (enforce_eager=True)" if llm_kwargs.get("enforce_eager") else "compiled (vLLM's default)"
-    mode += f", gpu_memory_utilization={llm_kwargs['gpu_memory_utilization']}, dtype={llm_kwargs.get('dtype', 'default')}"
+    mode += (f", gpu_memory_utilization={llm_kwargs['gpu_memory_utilization']}, max_model_len={llm_kwargs['max_model_len']}, "
+             f"dtype={llm_kwargs.get('dtype', 'default')}")
     return f"vLLM {version} CPU {name.removeprefix('vllm-')}" + (f" ({settings}{drafter})" if spec else "") + f", {mode}"
 
 
@@ -183,7 +186,8 @@ def _builder(name: str, kind: VllmMethodKind):
                       **{key: parsed.pop(key) for key in ("max_model_len", "dtype") if key in parsed}}
         if parsed.pop("enforce_eager", 0):
             llm_kwargs["enforce_eager"] = True
-        spec = kind.speculative_config(parsed, config)
+        spec = kind.speculative_config(parsed, config)  # checks the drafter's options before the target is read
+        llm_kwargs.setdefault("max_model_len", _default_max_model_len(target.model_dir))
         return VllmMethod(target, spec, llm_kwargs, _describe(name, spec, llm_kwargs, target.version))
 
     return build

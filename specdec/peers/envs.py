@@ -1,6 +1,6 @@
 """Engines' own virtualenvs under the cache: what each pins, how it is installed, where it is.
 
-An install runs its steps in order (venv, pip install, removals, import check) and writes the
+An install runs its steps in order (venv, pip install, removals, startup line, import check) and writes the
 marker `specdec.json` last: an install that was killed or failed has no marker and is redone
 from the start of its steps by the next `install` (pip skips what is already there).
 """
@@ -18,6 +18,11 @@ from pathlib import Path
 from ..paths import MARKER_FILE, cache_root, writing_cache
 
 PIP_TAIL_LINES = 20  # pip output kept for the error message of a failed step
+STARTUP_PTH = "specdec_startup.pth"
+# Linux x86-64: arch_prctl (syscall 158) ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18), the AMX tile
+# data; a no-op error (EINVAL) on CPUs without AMX. The permission does not cross exec, so every process asks.
+AMX_PERMISSION_LINE = ('import os, sys; sys.platform == "linux" and os.uname().machine == "x86_64" '
+                       'and __import__("ctypes").CDLL(None).syscall(158, 0x1023, 18)')
 
 
 class PeerInstallError(RuntimeError):
@@ -34,6 +39,10 @@ class EngineEnv:
     remove: tuple[str, ...] = ()  # uninstalled after pip: packages the requirements pull in that break the import
     import_check: str = ""  # python code that must run without error in the finished venv
     why_remove: str = ""
+    # one `import ...` line every python process of the venv runs at start (a .pth file in its site-packages):
+    # what the engine's own processes, spawned by it, need before they import anything
+    startup_line: str = ""
+    why_startup: str = ""
 
     @property
     def directory(self) -> Path:
@@ -52,6 +61,20 @@ class EngineEnv:
         if not isinstance(marker, dict) or marker.get("version") != self.version or not self.python.is_file():
             return None
         return marker
+
+    def startup_file(self) -> Path | None:
+        """The venv's .pth file that holds `startup_line` (None: no line, or no site-packages yet)."""
+        if not self.startup_line:
+            return None
+        site = sorted(self.directory.glob("lib/python3*/site-packages"))
+        return site[0] / STARTUP_PTH if site else None
+
+    def write_startup_line(self) -> None:
+        """(Re)write the startup .pth file: part of the install, and repaired on use for venvs installed
+        before the line existed."""
+        path = self.startup_file()
+        if path is not None and (not path.is_file() or path.read_text() != self.startup_line + "\n"):
+            path.write_text(self.startup_line + "\n")
 
     def has_module(self, module: str) -> bool:
         """Whether the installed venv can import `module` (found without importing it)."""
@@ -75,6 +98,10 @@ VLLM = EngineEnv(
     remove=("torchvision", "torchaudio", "torchcodec"),
     why_remove="built for another torch: `import vllm` fails with them (torchvision::nms, libtorchcodec)",
     import_check="import vllm, sys; sys.stdout.write(vllm.__version__)",
+    startup_line=AMX_PERMISSION_LINE,
+    why_startup=("vLLM 0.32's bf16 CPU attention uses AMX tiles without asking Linux for them (arch_prctl "
+                 "ARCH_REQ_XCOMP_PERM); only its oneDNN matmuls ask, so a model whose linears skip oneDNN "
+                 "(tiny ones) dies of SIGILL in its first attention on an AMX CPU"),
 )
 
 ENGINES: dict[str, EngineEnv] = {VLLM.name: VLLM}
@@ -92,6 +119,7 @@ def installed_python(name: str) -> Path:
     if env.marker() is None:
         raise ValueError(f"{env.name} {env.version} is {env.status()} in {env.directory}: "
                          f"run `specdec peers install {env.name}` (network + pip, about 1 GB)")
+    env.write_startup_line()
     return env.python
 
 
@@ -118,6 +146,7 @@ def install(env: EngineEnv, progress: bool = True, force: bool = False) -> Path:
     if env.marker() is not None and not force:
         if progress:
             print(f"[peers] {env.name} {env.version} is already installed in {env.directory}", file=sys.stderr)
+        env.write_startup_line()
         return env.python
     start = time.monotonic()
     with writing_cache(f"the {env.name} virtualenv"):
@@ -129,6 +158,10 @@ def install(env: EngineEnv, progress: bool = True, force: bool = False) -> Path:
     if env.remove:
         _run_step(f"removing {', '.join(env.remove)} ({env.why_remove})",
                   [str(env.python), "-m", "pip", "uninstall", "-y", *env.remove], progress)
+    if env.startup_line:
+        if progress:
+            print(f"[peers] writing {STARTUP_PTH} ({env.why_startup})", file=sys.stderr, flush=True)
+        env.write_startup_line()
     imported = _run_step(f"checking that {env.name} imports", [str(env.python), "-c", env.import_check], progress)
     marker = {"engine": env.name, "version": env.version, "requirements": list(env.requirements),
               "removed": list(env.remove), "import_check": imported.strip()[-200:],

@@ -44,13 +44,14 @@ DEAD_WORKER = re.compile(r"Worker proc \S+ died unexpectedly.*$")
 
 
 def logged_failure(log: str) -> str | None:
-    """The worker log's dead-worker line, else its first exception that is not vLLM's generic wrapper or a
-    warning; None when it logged neither."""
+    """The worker log's first failure: an exception that is not vLLM's generic wrapper or a warning, or
+    the dead-worker line, whichever comes first; None when it logged neither. (A worker that raised
+    also ends in the dead-worker line: its exception, e.g. a KV cache that does not fit, is the cause;
+    after a native crash vLLM's own "cancelled" comes after the line.)"""
     lines = [line.strip() for line in log.splitlines() if line.strip() and " WARNING " not in line]
-    for line in lines:
-        if match := DEAD_WORKER.search(line):
-            return match.group(0)[:600]
     for index, line in enumerate(lines):
+        if dead := DEAD_WORKER.search(line):
+            return dead.group(0)[:600]
         match = EXCEPTION_LINE.search(line)
         if match and not any(generic in line for generic in GENERIC_FAILURES):
             cause = match.group(1)
