@@ -29,8 +29,6 @@ run's `minutes` (the cosine follows elapsed time).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import math
 import time
@@ -45,6 +43,7 @@ from ..files import open_output_dir
 from ..heads import DraftHeads, FrozenTargetParts, save_checkpoint
 from .batches import Batch, SampledVocab, chain_starts, label_rows, make_batch, pick_anchors
 from .data import Sample
+from .heap import release_freed_memory
 
 STATE_FILE = "trainer_state.pt"
 HISTORY_FILE = "history.json"
@@ -381,26 +380,6 @@ def _spread_split(samples: list[Sample], eval_fraction: float) -> tuple[list[Sam
 
 
 # ----------------------------------------------------------------------------- the loop
-def _glibc_malloc_trim():
-    """glibc's malloc_trim, or None where the C library is not glibc."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _glibc_malloc_trim()
-
-
-def release_freed_memory() -> None:
-    """Hand the heap's freed pages back to the OS (glibc). A step's activations differ in shape from
-    step to step (the loss rows are random), and glibc keeps the freed chunks below its mmap
-    threshold (up to 32 MiB) in fragmented arenas: an EAGLE-3 run on the 1.5B grew from 4.8 to
-    14.6 GB in 30 steps without this, and stays at 6-8.5 GB with it, for ~0.3 s per step."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
 def state_path_of(out_dir: Path) -> Path:
     return Path(out_dir) / STATE_FILE
 
