@@ -166,8 +166,8 @@ def _drafter_entry(name: str) -> MethodEntry | None:
         except (ValueError, FileNotFoundError, NotImplementedError) as error:
             raise MethodUnavailable(f"{type(error).__name__}: {error}") from None
         summary = (drafter_class.__doc__ or name).strip().splitlines()[0]
-        settings = ", ".join(f"{k}={v}" for k, v in typed.items())
-        settings = ", ".join(filter(None, [settings, f"gamma={gamma}" if gamma != config.gamma else ""]))
+        shown = [f"{k}={v}" for k, v in typed.items()] + ([f"gamma={gamma}"] if gamma != config.gamma else [])
+        settings = ", ".join(shown)
         return SpecdecMethod(target, drafter, gamma, f"{summary}{f' ({settings})' if settings else ''}")
 
     return MethodEntry(build, help=(drafter_class.__doc__ or "").strip())
