@@ -37,6 +37,9 @@ multi-turn conversation, translation, summarization, QA, math reasoning, RAG), q
 question in turn, so a slow spell of a shared machine lands on every method alike.
 
 - **tokens/s**: generated tokens / wall time of a question (all its turns), averaged over questions.
+  With `--repeats N` every question runs N rounds (the methods' order reversed every other round) and
+  a turn's wall time is the median of its rounds (the title says so): one question per kind timed
+  once moves by 10-20 % on a shared host, more than the differences between methods that draft alike.
 - **speedup**: a method's tokens/s / specdec plain decoding's tokens/s in the same run.
 - **τ**: tokens emitted per verify step (accepted draft tokens + the one bonus/correction token);
   for peers (transformers `generate`, llama.cpp) tokens per target forward.

@@ -167,7 +167,7 @@ def _config_of_command(command: str) -> BenchConfig:
     BenchConfig(),
     BenchConfig(methods=["plain", "pld:max_ngram=3", "hf-plain"], target="/models/my dir", draft_model="qwen2.5-coder-0.5b",
                 task_kinds=["qa", "rag"], limit_per_kind=None, max_new_tokens=32, gamma=5, temperature=0.7, top_k=40,
-                top_p=0.9, seed=3, dtype="bfloat16", weights="gguf-a8", out_dir="docs/results/x", warmup=False),
+                top_p=0.9, seed=3, dtype="bfloat16", weights="gguf-a8", out_dir="docs/results/x", warmup=False, repeats=3),
     BenchConfig(limit_per_kind=1, gamma="auto", questions_path="/data/q s.jsonl"),
 ])
 def test_bench_command_reproduces_the_config(config, monkeypatch):
@@ -353,6 +353,42 @@ def test_planted_mismatch_fails_the_run(smollm2, tmp_path, capsys):
                                        position=position, plain=plain_tokens[position],
                                        got=(plain_tokens[position] + 1) % smollm2.vocab_size, exact=True)]
     assert "FAIL" in (tmp_path / "results.md").read_text()
+
+
+def test_repeats_alternate_the_order_and_check_every_round(smollm2, tmp_path, capsys):
+    """--repeats 3: rounds in order, reversed, in order; a row's seconds = the median of its rounds;
+    an output that changes in a later round (here only the third) fails the run like any mismatch."""
+    calls = []
+
+    def plain_logged(target, prompt_ids, max_new_tokens, sampling):
+        calls.append("plain-logged")
+        return generate(target, prompt_ids, None, max_new_tokens, sampling).tokens, None
+
+    def lossy_third(target, prompt_ids, max_new_tokens, sampling):
+        calls.append("lossy-third")
+        tokens = list(generate(target, prompt_ids, None, max_new_tokens, sampling).tokens)
+        if calls.count("lossy-third") == 3:
+            tokens[-1] = (tokens[-1] + 1) % target.vocab_size
+        return tokens, None
+
+    register_method("plain-logged", plain_logged)
+    register_method("lossy-third", lossy_third)
+    try:
+        config = BenchConfig(methods=["plain", "plain-logged", "lossy-third"], task_kinds=["qa"], limit_per_kind=1,
+                             max_new_tokens=4, out_dir=str(tmp_path), progress=False, warmup=False, repeats=3)
+        result = run_benchmark(config, target=smollm2)
+    finally:
+        unregister_method("plain-logged")
+        unregister_method("lossy-third")
+    assert calls == ["plain-logged", "lossy-third", "lossy-third", "plain-logged", "plain-logged", "lossy-third"]
+    assert result.exit_code == 1
+    plain_tokens = next(r["tokens"] for r in result.rows if r["method"] == "plain")
+    assert [(m["method"], m["position"]) for m in result.mismatches] == [("lossy-third", len(plain_tokens) - 1)]
+    assert "MISMATCH: method 'lossy-third'" in capsys.readouterr().err
+    for row in result.rows:
+        assert len(row["seconds_per_round"]) == 3 and row["seconds"] == sorted(row["seconds_per_round"])[1]
+        assert row["matches_plain"]  # the first round's output is the row's
+    assert "median of 3 rounds" in (tmp_path / "results.md").read_text()
 
 
 def test_a_method_that_raises_is_reported_and_fails_the_run(smollm2, tmp_path):

@@ -216,6 +216,7 @@ def test_the_bench_runs_vllm_plain_with_its_options_in_the_engine(counter):
     method = METHODS["vllm-plain"].build(target, {"dtype": "float32", "enforce_eager": "1", "max_model_len": "256"}, BenchConfig())
     try:
         assert "dtype=float32" in method.description and "eager" in method.description
+        assert f"kv_cache_memory_bytes={2 << 30}" in method.description  # an explicit cache, not a memory fraction
         for prompt in _prompts(counter)[:2]:
             ours = generate(counter, prompt, None, MAX_NEW_TOKENS, SamplingParams()).tokens
             theirs = method.generate(prompt, MAX_NEW_TOKENS, SamplingParams())

@@ -103,6 +103,8 @@ def bench_command(config, target_name: str | None = None) -> str:
         args += ["--limit-per-category", str(config.limit_per_kind)]
     if not config.warmup:
         args.append("--no-warmup")
+    if config.repeats != defaults.repeats:
+        args += ["--repeats", str(config.repeats)]
     if config.out_dir:
         args += ["--out", str(config.out_dir)]
     settings = [f"{key}={shlex.quote(value)}" for key, value in sorted(os.environ.items())

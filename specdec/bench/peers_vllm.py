@@ -9,9 +9,11 @@
                         (checkpoint=DIR, required)
 
 Options (`vllm-ngram:num_speculative_tokens=5`): num_speculative_tokens, enforce_eager (0/1:
-skip inductor compilation), max_model_len, gpu_memory_utilization (on CPU: the fraction of the
-node's memory vLLM reserves, default 0.25 here instead of vLLM's 0.92, which a shared machine
-never has free), dtype (vLLM's own: auto, bfloat16, float32), plus each method's own (prompt_lookup_min /
+skip inductor compilation), max_model_len, kv_cache_memory_bytes (default 2 GiB here: vLLM CPU's
+own advice, VLLM_CPU_KVCACHE_SPACE, instead of sizing the cache from gpu_memory_utilization, the
+fraction of the node's memory it reserves for weights and cache: 0.92 by default, which a shared
+machine never has free, and any fixed fraction is too small for a target and a draft model together),
+gpu_memory_utilization (given, it replaces the explicit cache size), dtype (vLLM's own: auto, bfloat16, float32), plus each method's own (prompt_lookup_min /
 _max for ngram). vLLM runs the target's float HF directory (`models/float_dir.py`) in its default dtype
 (bf16 on CPU) unless dtype is given. max_model_len defaults to 8192 (or the model's own limit, if lower):
 vLLM's default, the model's (32768 for Qwen2.5), needs a KV cache for one whole such request, which 0.25
@@ -32,13 +34,16 @@ from .peers import parse_options
 from .report import BASELINE
 from ..models.base import Target
 
-COMMON_OPTIONS = {"num_speculative_tokens": int, "enforce_eager": int, "max_model_len": int, "gpu_memory_utilization": float,
-                  "dtype": str}
-ENGINE_OPTIONS = ("enforce_eager", "max_model_len", "gpu_memory_utilization", "dtype")  # LLM(...) arguments, not speculative ones
+COMMON_OPTIONS = {"num_speculative_tokens": int, "enforce_eager": int, "max_model_len": int, "kv_cache_memory_bytes": int,
+                  "gpu_memory_utilization": float, "dtype": str}
+ENGINE_OPTIONS = ("enforce_eager", "max_model_len", "kv_cache_memory_bytes", "gpu_memory_utilization", "dtype")  # LLM(...) arguments
 DEFAULT_MAX_MODEL_LEN = 8192  # instead of the model's own limit (module doc)
-# the one default we change: vLLM CPU reserves gpu_memory_utilization (0.92) of the node's memory for
-# its KV cache and refuses to start when less is free, which on a shared machine it never is
-DEFAULT_MEMORY_FRACTION = 0.25
+# vLLM CPU sizes its KV cache as gpu_memory_utilization (0.92) of the node's memory minus what the process
+# holds after loading and warming up, and refuses to start when that much is not free: on a shared machine it
+# never is, and any fraction small enough to be free leaves nothing once a draft model is loaded too (the 1.5B
+# and the 0.5B at 0.25 of 24 GiB: -1.38 GiB for the cache). An explicit cache size (vLLM CPU's advice) holds
+# max_model_len tokens of both models with room: the 1.5B needs 28 KiB per token, 0.22 GiB at 8192.
+DEFAULT_KV_CACHE_BYTES = 2 << 30
 # arctic-inference 0.1.1, vLLM's suffix decoding, has no wheel for this Python: its source archive's build
 # pins torch==2.7.0, so pip would fetch a second (CUDA) torch and build an extension this venv's torch cannot load
 SUFFIX_MISSING = ("arctic-inference==0.1.1 has no wheel here and its source build pins torch==2.7.0 (not this venv's "
@@ -168,8 +173,9 @@ def _describe(name: str, spec: dict | None, llm_kwargs: dict, version: str) -> s
     settings = ", ".join(f"{k}={v}" for k, v in (spec or {}).items() if k != "model")
     drafter = f", drafter {spec['model']}" if spec and "model" in spec else ""
     mode = "eager (enforce_eager=True)" if llm_kwargs.get("enforce_eager") else "compiled (vLLM's default)"
-    mode += (f", gpu_memory_utilization={llm_kwargs['gpu_memory_utilization']}, max_model_len={llm_kwargs['max_model_len']}, "
-             f"dtype={llm_kwargs.get('dtype', 'default')}")
+    memory = (f"kv_cache_memory_bytes={llm_kwargs['kv_cache_memory_bytes']}" if "kv_cache_memory_bytes" in llm_kwargs
+              else f"gpu_memory_utilization={llm_kwargs['gpu_memory_utilization']}")
+    mode += f", {memory}, max_model_len={llm_kwargs['max_model_len']}, dtype={llm_kwargs.get('dtype', 'default')}"
     return f"vLLM {version} CPU {name.removeprefix('vllm-')}" + (f" ({settings}{drafter})" if spec else "") + f", {mode}"
 
 
@@ -182,8 +188,10 @@ def _builder(name: str, kind: VllmMethodKind):
         parsed = parse_options(name, options, allowed if kind.method else {k: allowed[k] for k in ENGINE_OPTIONS})
         if kind.requires and not VLLM.has_module(kind.requires):
             raise MethodUnavailable(f"{kind.requires} is not in the vLLM venv ({VLLM.directory}): {SUFFIX_MISSING}")
-        llm_kwargs = {"gpu_memory_utilization": parsed.pop("gpu_memory_utilization", DEFAULT_MEMORY_FRACTION),
-                      **{key: parsed.pop(key) for key in ("max_model_len", "dtype") if key in parsed}}
+        llm_kwargs = {key: parsed.pop(key) for key in ("max_model_len", "kv_cache_memory_bytes", "gpu_memory_utilization", "dtype")
+                      if key in parsed}
+        if "gpu_memory_utilization" not in llm_kwargs:
+            llm_kwargs.setdefault("kv_cache_memory_bytes", DEFAULT_KV_CACHE_BYTES)
         if parsed.pop("enforce_eager", 0):
             llm_kwargs["enforce_eager"] = True
         spec = kind.speculative_config(parsed, config)  # checks the drafter's options before the target is read

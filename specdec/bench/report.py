@@ -177,13 +177,15 @@ def _speed_vs_own_reference(label: str, entry: dict, methods: dict) -> str | Non
 
 
 def markdown_title(config: dict) -> str:
-    """'specdec bench: TARGET (greedy, max N new tokens, Q questions: L per task kind, gamma G)'."""
+    """'specdec bench: TARGET (greedy, max N new tokens, Q questions: L per task kind[, median of R rounds], gamma G)'."""
     greedy = bool(config.get("equality_checked", True))
     sampling = "greedy" if greedy else f"temperature {config.get('temperature')}"
     limit = config.get("limit_per_kind")
     per_kind = "all questions" if limit is None else f"{limit} per task kind"
+    repeats = config.get("repeats", 1)
+    rounds = f", median of {repeats} rounds" if repeats > 1 else ""
     return (f"specdec bench: {config.get('target_name', '?')} ({sampling}, max {config.get('max_new_tokens')} new "
-            f"tokens, {config.get('questions')} questions: {per_kind}, gamma {config.get('gamma')})")
+            f"tokens, {config.get('questions')} questions: {per_kind}{rounds}, gamma {config.get('gamma')})")
 
 
 def markdown_table(summary: dict, config: dict, title: bool = True) -> str:

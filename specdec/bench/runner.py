@@ -5,7 +5,9 @@ Order of work:
     2. phase 1, the specdec methods (`plain` first: it is the speed baseline AND the reference
        output): build each and run one untimed warm-up, then question by question every method
        in turn (interleaved, so machine drift hits all alike; both turns for multi-turn
-       questions; turn 2 follows the method's own turn-1 answer, as in Spec-Bench)
+       questions; turn 2 follows the method's own turn-1 answer, as in Spec-Bench); with
+       --repeats N each question runs N rounds, the methods' order reversed every other round,
+       and a turn's time is the median of its N runs (every run's output is checked)
     3. free them; phase 2, the peers, one runtime at a time: load its copy of the target (a
        transformers model for `hf-*`, llama.cpp on the GGUF file for `llama-*`, vLLM's worker for
        `vllm-*`), run its peers interleaved the same way (a runtime whose methods each hold an
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
+import statistics
 import sys
 import time
 import traceback
@@ -36,6 +39,7 @@ from .environment import bench_command, machine_record
 from .questions import TASK_KINDS, Question, default_questions_path, load_questions, select_questions
 from .report import BASELINE, method_summary_rows, write_reports
 from ..budget import budget_policy_for, parse_gamma
+from ..checks import check_int
 from ..files import check_output_dir
 from ..loop import run as run_loop
 from ..models import add_weights_argument
@@ -68,6 +72,7 @@ class BenchConfig:
     weights: str | None = None  # load_target's weights: None (as stored), "gguf", "gguf-a8" or "fp32"
     out_dir: str | None = None  # None = runs/bench-<timestamp>
     warmup: bool = True
+    repeats: int = 1  # rounds per question; a turn's seconds = the median over the rounds
     progress: bool = True
 
     def sampling(self) -> SamplingParams:
@@ -238,6 +243,7 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
         raise ValueError(f"a method is listed twice: {labels}")
     if config.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {config.max_new_tokens}")
+    check_int("repeats", config.repeats, 1, 100)
     parse_gamma(config.gamma)
     entries = {spec.label: resolve_method(spec.name) for spec in specs}  # unknown names fail before loading
     _add_references(specs, entries)
@@ -344,23 +350,30 @@ class _BenchRun:
     def methods_on(self, specs: list[MethodSpec], entries: dict[str, MethodEntry], target) -> None:
         """Run methods that share one target INTERLEAVED: every method answers question 1, then
         every method answers question 2, ... so slow drift of a noisy machine (another tenant,
-        thermal state) lands on all methods alike instead of on whichever ran during it."""
+        thermal state) lands on all methods alike instead of on whichever ran during it. With
+        repeats, a question runs in rounds, every other round in reverse order (the method that
+        ran first runs last), and its rows take the median time of the rounds."""
         running: list[tuple[MethodSpec, dict, BenchMethod]] = []
         try:
             for spec in specs:
                 built = self._build(spec, entries[spec.label], target)
                 if built is not None:
                     running.append((spec, *built))
-            total = len(running) * sum(len(q.turns) for q in self.questions)
+            total = len(running) * sum(len(q.turns) for q in self.questions) * self.config.repeats
             with _progress(self.config.progress, "bench", total) as advance:
                 for question in self.questions:
-                    for spec, record, method in running:
-                        if record["status"] != "ok":
-                            continue
-                        try:
-                            self._question(spec.label, method, target, question, advance)
-                        except Exception as error:  # one broken method must not lose the others' results
-                            self._failed(record, error)
+                    rounds: dict[str, list[list[tuple]]] = {spec.label: [] for spec, _, _ in running}
+                    for round_index in range(self.config.repeats):
+                        for spec, record, method in (running if round_index % 2 == 0 else running[::-1]):
+                            if record["status"] != "ok":
+                                continue
+                            try:
+                                rounds[spec.label].append(self._question(method, target, question, advance))
+                            except Exception as error:  # one broken method must not lose the others' results
+                                self._failed(record, error)
+                    for spec, record, method in running:  # references first: their rows are what others are checked against
+                        if record["status"] == "ok":
+                            self._rows(spec.label, method, question, rounds[spec.label])
         finally:
             for _, _, method in running:
                 method.close()
@@ -391,18 +404,33 @@ class _BenchRun:
         record.update(status="error", reason=f"{type(error).__name__}: {error}")
         print(f"ERROR: method {record['label']!r} failed: {record['reason']}", file=sys.stderr)
 
-    def _question(self, label: str, method: BenchMethod, target, question: Question, advance) -> None:
+    def _question(self, method: BenchMethod, target, question: Question, advance) -> list[tuple]:
+        """One run of a question: (prompt ids, output, seconds) per turn."""
         messages: list[dict] = []
-        for turn, text in enumerate(question.turns, start=1):
+        turns = []
+        for text in question.turns:
             messages.append({"role": "user", "content": text})
             prompt_ids = target.encode_prompt(list(messages))
             start = time.perf_counter()
             output = method.generate(prompt_ids, self.config.max_new_tokens, self.sampling)
-            seconds = time.perf_counter() - start
-            self.rows.append(self._row(label, method, question, turn, prompt_ids, output, seconds))
+            turns.append((prompt_ids, output, time.perf_counter() - start))
             # the next turn follows this method's own answer (Spec-Bench)
             messages.append({"role": "assistant", "content": target.decode(output.tokens)})
             advance()
+        return turns
+
+    def _rows(self, label: str, method: BenchMethod, question: Question, rounds: list[list[tuple]]) -> None:
+        """One row per turn from a question's rounds: the first round's output and statistics, the
+        median of the rounds' seconds; every later round's output is checked like the first."""
+        for turn_index, (prompt_ids, output, _) in enumerate(rounds[0]):
+            seconds = [turns[turn_index][2] for turns in rounds]
+            row = self._row(label, method, question, turn_index + 1, prompt_ids, output, statistics.median(seconds))
+            if len(seconds) > 1:
+                row["seconds_per_round"] = seconds
+            for later in rounds[1:]:
+                if list(later[turn_index][1].tokens) != row["tokens"]:  # checked against the reference like the first
+                    self._row(label, method, question, turn_index + 1, *later[turn_index])
+            self.rows.append(row)
 
     def _row(self, label, method, question: Question, turn, prompt_ids, output: MethodOutput, seconds) -> dict:
         tokens = list(output.tokens)
@@ -421,26 +449,29 @@ class _BenchRun:
             stats=stats.to_dict() if stats is not None else None, tokens=tokens,
             reference=self.reference_of[label], matches_plain=None, first_mismatch=None,
         )
-        self._check(row, method.exact)
-        return row
+        return self._check(row, method.exact)
 
-    def _check(self, row: dict, exact: bool) -> None:
+    def _check(self, row: dict, exact: bool) -> dict:
         """Greedy: compare with the reference method's tokens for the same question and turn
         (`matches_plain`: plain decoding's for most methods, llama-plain's for llama-lookup)."""
         if not self.sampling.greedy:
-            return
+            return row
         label, reference_label = row["method"], row["reference"]
-        self.outputs[(label, row["question_id"], row["turn"])] = row["tokens"]
+        key = (label, row["question_id"], row["turn"])
+        self.outputs.setdefault(key, row["tokens"])  # a method's first round: the answer its next turn follows
         if label == reference_label:
-            row["matches_plain"] = True
-            return
-        reference = self.outputs.get((reference_label, row["question_id"], row["turn"]))
+            if self.outputs[key] == row["tokens"]:
+                row["matches_plain"] = True
+                return row
+            reference = self.outputs[key]  # a reference whose rounds disagree: compared with its own first
+        else:
+            reference = self.outputs.get((reference_label, row["question_id"], row["turn"]))
         if reference is None:
-            return
+            return row
         position = _first_difference(reference, row["tokens"])
         row["matches_plain"] = position is None
         if position is None:
-            return
+            return row
         row["first_mismatch"] = position
         expected = reference[position] if position < len(reference) else "<end>"
         got = row["tokens"][position] if position < len(row["tokens"]) else "<end>"
@@ -449,6 +480,7 @@ class _BenchRun:
         level = "MISMATCH" if exact else f"WARNING (peer differs from {reference_label})"
         print(f"{level}: method {label!r} question {row['question_id']} ({row['category']}) turn {row['turn']}: "
               f"first difference at output position {position}: {reference_label} {expected} vs {got}", file=sys.stderr)
+        return row
 
 
 def _first_difference(expected: list[int], got: list[int]) -> int | None:
@@ -513,6 +545,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_weights_argument(parser)
     parser.add_argument("--out", default=None, help="output folder (default: runs/bench-<timestamp>)")
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation per method")
+    parser.add_argument("--repeats", type=int, default=1, metavar="N",
+                        help="rounds per question (every other round in reverse method order); a turn's time is the "
+                             "median of its rounds, every round's output is checked (default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -539,6 +574,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         weights=args.weights,
         out_dir=args.out,
         warmup=not args.no_warmup,
+        repeats=args.repeats,
         progress=not args.no_progress,
     )
 
