@@ -109,7 +109,9 @@ def start_server(args, config: str, port: int, log_path: Path) -> subprocess.Pop
     if args.weights:
         command += ["--weights", args.weights]
     gamma = config_gamma(config, args.gamma)
-    if gamma is not None:
+    if gamma is None:  # named: a server without --drafter runs auto (its default), not plain decoding
+        command += ["--drafter", "none"]
+    else:
         command += ["--drafter", args.drafter, "--gamma", gamma]
         for pair in args.drafter_arg:
             command += ["--drafter-arg", pair]

@@ -388,7 +388,11 @@ def test_repeats_alternate_the_order_and_check_every_round(smollm2, tmp_path, ca
     for row in result.rows:
         assert len(row["seconds_per_round"]) == 3 and row["seconds"] == sorted(row["seconds_per_round"])[1]
         assert row["matches_plain"]  # the first round's output is the row's
-    assert "median of 3 rounds" in (tmp_path / "results.md").read_text()
+    page = (tmp_path / "results.md").read_text()
+    assert "median of 3 rounds" in page and "slowest / fastest round" in page
+    spread = result.summary["methods"]["plain-logged"]["overall"]["round_spread"]
+    turns = [r for r in result.rows if r["method"] == "plain-logged"]
+    assert spread == max(turns[0]["seconds_per_round"]) / min(turns[0]["seconds_per_round"]) >= 1.0
 
 
 def test_a_method_that_raises_is_reported_and_fails_the_run(smollm2, tmp_path):

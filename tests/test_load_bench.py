@@ -53,6 +53,7 @@ def test_speculative_servers_reproduce_plain_answers(load_bench, tmp_path, monke
     assert code == 0
     assert rows["speculative:3"]["compared_with_plain"] == 4 and rows["speculative:3"]["differ_from_plain"] == 0
     assert "differ_from_plain" not in rows["plain"]
+    assert rows["plain"]["drafted_tokens"] == 0  # the plain server decodes plainly (the server's default is auto)
     texts = [r["text"] for r in report["requests"]]
     assert all(texts) and rows["speculative:3"]["drafted_tokens"] > 0
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -84,9 +85,18 @@ def _cell(rows: Sequence[dict]) -> dict:
         "tokens_per_s": _mean(speeds),
         "tau": sum(step_tokens) / sum(steps) if steps else None,
         "mean_new_tokens": _mean([row["num_tokens"] for row in rows]),
+        "round_spread": _round_spread(rows),
         **_draft_sizes(rows),
         "by_source": _by_source(rows),
     }
+
+
+def _round_spread(rows: Sequence[dict]) -> float | None:
+    """With --repeats: the median over turns of (slowest round / fastest round), how far one timing
+    of the same work moved on this machine during the run (1.0 = not at all)."""
+    spreads = [max(row["seconds_per_round"]) / min(row["seconds_per_round"]) for row in rows
+               if len(row.get("seconds_per_round") or ()) > 1 and min(row["seconds_per_round"]) > 0]
+    return statistics.median(spreads) if spreads else None
 
 
 def _latency_split(rows: Sequence[dict]) -> dict | None:
@@ -214,6 +224,12 @@ def markdown_table(summary: dict, config: dict, title: bool = True) -> str:
         own_speed.append(_speed_vs_own_reference(label, entry, summary["methods"]))
     lines.append("")
     lines.append("τ = mean tokens per verify step (accepted draft tokens + the bonus/correction token).")
+    spreads = {label: entry["overall"]["round_spread"] for label, entry in summary["methods"].items()
+               if entry["status"] == "ok" and entry["overall"].get("round_spread")}
+    if spreads:
+        lines.append("How far the same work's time moved between rounds (median over turns of slowest / fastest round; "
+                     "differences between methods smaller than this are not measured): "
+                     + ", ".join(f"{label} {spread:.2f}x" for label, spread in spreads.items()) + ".")
     lines.extend(_draft_size_table(summary))
     lines.extend(_source_table(summary))
     if notes:
