@@ -194,6 +194,55 @@ def test_engine_per_method_runtimes_run_their_methods_one_at_a_time_reference_fi
     assert result.exit_code == 0
 
 
+class _BesideTarget(PeerRuntime):
+    """A runtime whose copy of the target is held beside the bench's (as llama.cpp's): a second loaded SmolLM2."""
+
+    name = "beside-test"
+    beside_target = True
+
+    def __init__(self):
+        self.loaded = []
+
+    def load(self, source, config):
+        from specdec import load_target
+
+        self.loaded.append(load_target("smollm2-135m", progress=False))
+        return self.loaded[-1]
+
+
+def test_peers_held_beside_the_target_run_interleaved_with_specdec_methods(smollm2, tmp_path, one_question):
+    """Rounds alternate over specdec's methods AND these peers (the same work under the same swings),
+    on the runtime's own copy; engine-per-method runtimes still run after them."""
+    calls = []
+
+    def logged(name):
+        def run(target, prompt_ids, max_new_tokens, sampling):
+            calls.append((name, target))
+            return generate(target, prompt_ids, None, max_new_tokens, sampling).tokens, None
+        run.__name__ = name
+        return run
+
+    def factory(name, exact):
+        return lambda target, options, config: CallableMethod(logged(name), target, exact, name)
+
+    beside, engine = _BesideTarget(), _OneEngineAtATime(smollm2)
+    register_method_factory("specdec-logged-test", factory("specdec-logged-test", True))
+    register_method_factory("beside-logged-test", factory("beside-logged-test", False), beside)
+    register_method_factory("engine-logged-test", factory("engine-logged-test", False), engine)
+    try:
+        config = replace(_config(tmp_path, one_question, ["plain", "engine-logged-test", "beside-logged-test",
+                                                          "specdec-logged-test"], max_new_tokens=6), repeats=2)
+        result = run_benchmark(config, target=smollm2)
+    finally:
+        for name in ("specdec-logged-test", "beside-logged-test", "engine-logged-test"):
+            unregister_method(name)
+    assert [name for name, _ in calls] == ["specdec-logged-test", "beside-logged-test", "beside-logged-test",
+                                           "specdec-logged-test", "engine-logged-test", "engine-logged-test"]
+    assert len(beside.loaded) == 1 and beside.loaded[0] is not smollm2
+    assert all(target is beside.loaded[0] for name, target in calls if name == "beside-logged-test")
+    assert result.exit_code == 0 and all(row["matches_plain"] for row in result.rows)
+
+
 # ---------------------------------------------------------------------------- llama.cpp (optional extra)
 
 

@@ -57,6 +57,10 @@ class PeerRuntime(ABC):
     # runner runs this runtime's methods one after another, the reference first, each freed before
     # the next is built (several engines of a large target at once do not fit in memory)
     methods_at_once: bool = True
+    # True: its copy of the target is held beside the bench's own (llama.cpp maps the GGUF file), so its
+    # methods run interleaved with specdec's, question by question in the same rounds: the ratios between
+    # them do not carry the machine's swings between the two phases of a run
+    beside_target: bool = False
 
     def missing(self) -> str | None:
         """Why this runtime cannot run here at all (a package not installed: how to get it), else None.

@@ -252,6 +252,7 @@ class LlamaCppRuntime(PeerRuntime):
     """llama.cpp through llama-cpp-python, on the GGUF file the target was converted from."""
 
     name = "llama.cpp"
+    beside_target = True  # llama.cpp maps the GGUF file: no second float copy of the target
 
     def missing(self) -> str | None:
         try:

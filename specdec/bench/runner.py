@@ -8,10 +8,12 @@ Order of work:
        questions; turn 2 follows the method's own turn-1 answer, as in Spec-Bench); with
        --repeats N each question runs N rounds, the methods' order reversed every other round,
        and a turn's time is the median of its N runs (every run's output is checked)
-    3. free them; phase 2, the peers, one runtime at a time: load its copy of the target (a
-       transformers model for `hf-*`, llama.cpp on the GGUF file for `llama-*`, vLLM's worker for
-       `vllm-*`), run its peers interleaved the same way (a runtime whose methods each hold an
-       engine, vLLM's: one method at a time, its reference first), free it
+       Peers whose copy of the target is held beside it (llama.cpp on the GGUF file, or transformers'
+       when the target already is a transformers model) run in phase 1 too, interleaved with them
+    3. free them; phase 2, the other peers, one runtime at a time: load its copy of the target (a
+       transformers model for `hf-*`, vLLM's worker for `vllm-*`), run its peers interleaved the
+       same way (a runtime whose methods each hold an engine, vLLM's: one method at a time, its
+       reference first), free it
     4. greedy runs: every output is compared with its method's reference (plain decoding; for
        llama-lookup llama.cpp's own plain decoding), question by question and turn by turn; a
        specdec method that differs fails the run (exit code 1), a peer only warns
@@ -271,14 +273,25 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
         config = replace(config, draft_model=DEFAULT_DRAFT_FOR_TARGET.get(config.target if owns_target else str(target.name)))
     run.config = config
 
-    run.methods_on([s for s in specs if not entries[s.label].peer], entries, target)  # plain first: the reference
     model_dir, target_name = getattr(target, "model_dir", None), str(target.name)
     source = PeerSource(name=target_name, model_dir=model_dir, tokenizer=target.tokenizer, vocab_size=target.vocab_size,
                         eos_token_ids=list(target.eos_token_ids))
+    phase_one = [(spec, target) for spec in specs if not entries[spec.label].peer]  # plain first: the reference
+    later, runtime_target = [], None
     for runtime, group in _peer_groups(specs, entries, target):
-        if target is not None and runtime.reuses(target):
-            run.methods_on(group, entries, target)
+        if not runtime.methods_at_once or not (runtime.reuses(target) or runtime.beside_target):
+            later.append((runtime, group))
             continue
+        try:
+            runtime_target = target if runtime.reuses(target) else runtime.load(source, config)
+        except MethodUnavailable as why:
+            run.unavailable(group, entries, str(why))
+            continue
+        phase_one += [(spec, runtime_target) for spec in group]
+    run.methods_on(phase_one, entries)
+    phase_one = runtime_target = None  # the peers' copies held beside the target go now
+    gc.collect()
+    for runtime, group in later:
         if owns_target:
             target = None  # never hold the native copy and a peer's copy of a large target together
             gc.collect()
@@ -289,7 +302,7 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
             continue
         try:
             for batch in _method_batches(runtime, group, entries):
-                run.methods_on(batch, entries, peer_target)
+                run.methods_on([(spec, peer_target) for spec in batch], entries)
         finally:
             peer_target = None
             gc.collect()
@@ -347,35 +360,35 @@ class _BenchRun:
         reported = {record["label"] for record in self.methods}
         return [spec for spec in specs if spec.label not in reported]
 
-    def methods_on(self, specs: list[MethodSpec], entries: dict[str, MethodEntry], target) -> None:
-        """Run methods that share one target INTERLEAVED: every method answers question 1, then
+    def methods_on(self, runs: list[tuple[MethodSpec, object]], entries: dict[str, MethodEntry]) -> None:
+        """Run methods, each on its target (the bench's, or a peer's copy held beside it), INTERLEAVED: every method answers question 1, then
         every method answers question 2, ... so slow drift of a noisy machine (another tenant,
         thermal state) lands on all methods alike instead of on whichever ran during it. With
         repeats, a question runs in rounds, every other round in reverse order (the method that
         ran first runs last), and its rows take the median time of the rounds."""
-        running: list[tuple[MethodSpec, dict, BenchMethod]] = []
+        running: list[tuple[MethodSpec, dict, BenchMethod, object]] = []  # (spec, record, method, its target)
         try:
-            for spec in specs:
+            for spec, target in runs:
                 built = self._build(spec, entries[spec.label], target)
                 if built is not None:
-                    running.append((spec, *built))
+                    running.append((spec, *built, target))
             total = len(running) * sum(len(q.turns) for q in self.questions) * self.config.repeats
             with _progress(self.config.progress, "bench", total) as advance:
                 for question in self.questions:
-                    rounds: dict[str, list[list[tuple]]] = {spec.label: [] for spec, _, _ in running}
+                    rounds: dict[str, list[list[tuple]]] = {spec.label: [] for spec, *_ in running}
                     for round_index in range(self.config.repeats):
-                        for spec, record, method in (running if round_index % 2 == 0 else running[::-1]):
+                        for spec, record, method, target in (running if round_index % 2 == 0 else running[::-1]):
                             if record["status"] != "ok":
                                 continue
                             try:
                                 rounds[spec.label].append(self._question(method, target, question, advance))
                             except Exception as error:  # one broken method must not lose the others' results
                                 self._failed(record, error)
-                    for spec, record, method in running:  # references first: their rows are what others are checked against
+                    for spec, record, method, _ in running:  # references first: their rows are what others are checked against
                         if record["status"] == "ok":
                             self._rows(spec.label, method, question, rounds[spec.label])
         finally:
-            for _, _, method in running:
+            for _, _, method, _ in running:
                 method.close()
             running.clear()
             gc.collect()
