@@ -34,12 +34,16 @@ reproduces it and the machine it ran on.
 
 `specdec bench` runs every method on the same Spec-Bench questions (the six task kinds:
 multi-turn conversation, translation, summarization, QA, math reasoning, RAG), question by
-question in turn, so a slow spell of a shared machine lands on every method alike.
+question in turn, so a slow spell of a shared machine lands on every method alike (llama.cpp's
+methods too; vLLM's, one engine per method in its own process, and transformers' float copy run
+after specdec's, so their ratios to specdec plain also carry the machine's drift between the two).
 
 - **tokens/s**: generated tokens / wall time of a question (all its turns), averaged over questions.
-  With `--repeats N` every question runs N rounds (the methods' order reversed every other round) and
-  a turn's wall time is the median of its rounds (the title says so): one question per kind timed
-  once moves by 10-20 % on a shared host, more than the differences between methods that draft alike.
+  With `--repeats N` every question runs N rounds (the methods' order reversed every other round),
+  each on a freshly built method (a method that remembers earlier answers, suffix decoding's tree,
+  would otherwise draft a repeated question from its own previous answer), and a turn's wall time is
+  the median of its rounds (the title says so): one question per kind timed once moves by 10-20 %,
+  on a bad day 2x, on a shared host, more than the differences between methods that draft alike.
 - **speedup**: a method's tokens/s / specdec plain decoding's tokens/s in the same run.
 - **τ**: tokens emitted per verify step (accepted draft tokens + the one bonus/correction token);
   for peers (transformers `generate`, llama.cpp) tokens per target forward.

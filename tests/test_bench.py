@@ -395,6 +395,45 @@ def test_repeats_alternate_the_order_and_check_every_round(smollm2, tmp_path, ca
     assert spread == max(turns[0]["seconds_per_round"]) / min(turns[0]["seconds_per_round"]) >= 1.0
 
 
+def test_every_round_runs_a_fresh_method(smollm2, tmp_path):
+    """A method that remembers the prompts it answered (as suffix decoding's tree remembers answers)
+    answers a prompt it has seen differently: with --repeats every round runs a fresh instance, so
+    no round sees the question twice and every round matches plain."""
+    from specdec.bench import CallableMethod, register_method_factory
+
+    built = []
+
+    def answer(target, prompt_ids, max_new_tokens, sampling):
+        return generate(target, prompt_ids, None, max_new_tokens, sampling).tokens, None
+
+    class Remembering(CallableMethod):
+        def __init__(self, target):
+            super().__init__(answer, target, True, "remembers its prompts")
+            self.seen = set()
+            built.append(self)
+
+        def generate(self, prompt_ids, max_new_tokens, sampling):
+            output = super().generate(prompt_ids, max_new_tokens, sampling)
+            if tuple(prompt_ids) in self.seen:  # planted: a repeat within one instance changes the answer
+                output.tokens[-1] = (output.tokens[-1] + 1) % smollm2.vocab_size
+            self.seen.add(tuple(prompt_ids))
+            return output
+
+    register_method_factory("remembering-test", lambda target, options, config: Remembering(target))
+    try:
+        config = BenchConfig(methods=["plain", "remembering-test"], task_kinds=["qa"], limit_per_kind=1,
+                             max_new_tokens=4, out_dir=str(tmp_path), progress=False, warmup=False, repeats=3)
+        result = run_benchmark(config, target=smollm2)
+        assert result.exit_code == 0 and not result.mismatches
+        assert len(built) == 1 + 3  # the first build, then one per round
+        # the plant bites: one instance asked the same question twice answers differently
+        remembering, prompt = Remembering(smollm2), result.rows[0]["tokens"][:3] or [1]
+        first, second = (remembering.generate(prompt, 4, config.sampling()) for _ in range(2))
+        assert first.tokens != second.tokens
+    finally:
+        unregister_method("remembering-test")
+
+
 def test_a_method_that_raises_is_reported_and_fails_the_run(smollm2, tmp_path):
     def broken(target, prompt_ids, max_new_tokens, sampling):
         raise RuntimeError("planted failure")

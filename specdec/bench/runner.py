@@ -7,7 +7,9 @@ Order of work:
        in turn (interleaved, so machine drift hits all alike; both turns for multi-turn
        questions; turn 2 follows the method's own turn-1 answer, as in Spec-Bench); with
        --repeats N each question runs N rounds, the methods' order reversed every other round,
-       and a turn's time is the median of its N runs (every run's output is checked)
+       each round on a freshly built method (nothing learnt in an earlier round of the same
+       question carries over: with repeats no method learns across questions either), and a
+       turn's time is the median of its N runs (every run's output is checked)
        Peers whose copy of the target is held beside it (llama.cpp on the GGUF file, or transformers'
        when the target already is a transformers model) run in phase 1 too, interleaved with them
     3. free them; phase 2, the other peers, one runtime at a time: load its copy of the target (a
@@ -366,21 +368,24 @@ class _BenchRun:
         thermal state) lands on all methods alike instead of on whichever ran during it. With
         repeats, a question runs in rounds, every other round in reverse order (the method that
         ran first runs last), and its rows take the median time of the rounds."""
-        running: list[tuple[MethodSpec, dict, BenchMethod, object]] = []  # (spec, record, method, its target)
+        running: list[list] = []  # [spec, record, method, its target]
         try:
             for spec, target in runs:
                 built = self._build(spec, entries[spec.label], target)
                 if built is not None:
-                    running.append((spec, *built, target))
+                    running.append([spec, *built, target])
             total = len(running) * sum(len(q.turns) for q in self.questions) * self.config.repeats
             with _progress(self.config.progress, "bench", total) as advance:
                 for question in self.questions:
                     rounds: dict[str, list[list[tuple]]] = {spec.label: [] for spec, *_ in running}
                     for round_index in range(self.config.repeats):
-                        for spec, record, method, target in (running if round_index % 2 == 0 else running[::-1]):
+                        for run in (running if round_index % 2 == 0 else running[::-1]):
+                            spec, record, method, target = run
                             if record["status"] != "ok":
                                 continue
                             try:
+                                if self.config.repeats > 1:  # every round as the first: a fresh method
+                                    method = run[2] = self._fresh(spec, entries[spec.label], method, target)
                                 rounds[spec.label].append(self._question(method, target, question, advance))
                             except Exception as error:  # one broken method must not lose the others' results
                                 self._failed(record, error)
@@ -404,12 +409,24 @@ class _BenchRun:
                       reference=self.reference_of[spec.label], description=method.description)
         self.methods.append(record)
         try:
-            if self.config.warmup:  # first calls pay for lazy init / allocator growth: not timed
-                first = target.encode_prompt([{"role": "user", "content": self.questions[0].turns[0]}])
-                method.generate(first, min(WARMUP_TOKENS, self.config.max_new_tokens), self.sampling)
+            self._warm_up(method, target)
         except Exception as error:
             self._failed(record, error)
         return record, method
+
+    def _warm_up(self, method: BenchMethod, target) -> None:
+        if self.config.warmup:  # first calls pay for lazy init / allocator growth: not timed
+            first = target.encode_prompt([{"role": "user", "content": self.questions[0].turns[0]}])
+            method.generate(first, min(WARMUP_TOKENS, self.config.max_new_tokens), self.sampling)
+
+    def _fresh(self, spec: MethodSpec, entry: MethodEntry, method: BenchMethod, target) -> BenchMethod:
+        """A new, warmed-up instance of a method in place of `method` (closed): a round of --repeats
+        starts from nothing the method learnt in an earlier round of the same question (suffix's tree
+        of earlier answers, auto's and the cost model's acceptance would otherwise have seen it)."""
+        method.close()
+        method = entry.build(target, dict(spec.options), self.config)
+        self._warm_up(method, target)
+        return method
 
     @staticmethod
     def _failed(record: dict, error: Exception) -> None:
@@ -559,8 +576,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="output folder (default: runs/bench-<timestamp>)")
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation per method")
     parser.add_argument("--repeats", type=int, default=1, metavar="N",
-                        help="rounds per question (every other round in reverse method order); a turn's time is the "
-                             "median of its rounds, every round's output is checked (default: %(default)s)")
+                        help="rounds per question (every other round in reverse method order), each on a freshly built "
+                             "method (vLLM's: an engine start per round); a turn's time is the median of its rounds, "
+                             "every round's output is checked (default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
