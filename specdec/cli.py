@@ -15,7 +15,7 @@ import time
 SUBCOMMANDS = {
     "theory": ("specdec.theory", "add_theory_arguments", "run_theory", "E[tau], speedup and optimal gamma tables"),
     "profile": ("specdec.profile", "add_profile_arguments", "run_profile", "measure the target's step-cost table T(k)"),
-    "bench": ("specdec.bench.runner", "add_bench_arguments", "run_bench", "Spec-Bench: methods x task kinds, with peers"),
+    "bench": ("specdec.bench.cli", "add_bench_arguments", "run_bench", "Spec-Bench: methods x task kinds, with peers"),
     "serve": ("specdec.server.serve", "add_serve_arguments", "run_serve", "OpenAI-compatible HTTP server"),
     "train": ("specdec.train.cli", "add_train_arguments", "run_train", "train drafters (medusa, mtp, eagle1, eagle3, dflash, dspark) and make their data"),
     "export": ("specdec.train.cli", "add_export_arguments", "run_export", "write a trained drafter in SGLang / vLLM layout"),

@@ -22,7 +22,8 @@ from specdec.bench.questions import (
 )
 from specdec.bench.environment import KERNEL_CPU_FEATURES, bench_command, describe_machine
 from specdec.bench.report import PLOT_FILES, method_summary_rows
-from specdec.bench.runner import MethodSpec, add_bench_arguments, config_from_args
+from specdec.bench.cli import add_bench_arguments, config_from_args
+from specdec.bench.runner import MethodSpec
 
 QUESTIONS = default_questions_path()  # package data: always there
 RESULTS_PAGE = Path(__file__).resolve().parents[1] / "scripts" / "results_page.py"

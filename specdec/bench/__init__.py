@@ -31,7 +31,8 @@ from .methods import (
     register_method_factory,
     unregister_method,
 )
-from .runner import BenchConfig, add_bench_arguments, run_bench, run_benchmark
+from .cli import add_bench_arguments, run_bench
+from .runner import BenchConfig, run_benchmark
 
 __all__ = [
     "METHODS", "BenchConfig", "BenchMethod", "CallableMethod", "MethodEntry", "MethodOutput", "MethodUnavailable",

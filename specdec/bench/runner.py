@@ -9,7 +9,7 @@ Order of work:
        --repeats N each question runs N rounds, the methods' order reversed every other round,
        each round on a freshly built method (nothing learnt in an earlier round of the same
        question carries over: with repeats no method learns across questions either), and a
-       turn's time is the median of its N runs (every run's output is checked)
+       turn's time is the median of its N runs (every run's output is checked).
        Peers whose copy of the target is held beside it (llama.cpp on the GGUF file, or transformers'
        when the target already is a transformers model) run in phase 1 too, interleaved with them
     3. free them; phase 2, the other peers, one runtime at a time: load its copy of the target (a
@@ -25,7 +25,6 @@ Order of work:
 
 from __future__ import annotations
 
-import argparse
 import gc
 import inspect
 import statistics
@@ -46,7 +45,6 @@ from ..budget import budget_policy_for, parse_gamma
 from ..checks import check_int
 from ..files import check_output_dir
 from ..loop import run as run_loop
-from ..models import add_weights_argument
 from ..models.registry import DEFAULT_MODEL
 from ..sampling import SamplingParams
 
@@ -237,6 +235,26 @@ def _method_batches(runtime: PeerRuntime, group: list[MethodSpec], entries: dict
     return [[spec] for spec in sorted(group, key=lambda spec: spec.label not in references)]
 
 
+def _phase_one(run: _BenchRun, specs: list[MethodSpec], entries: dict[str, MethodEntry], target, source: PeerSource,
+               config: BenchConfig) -> list[tuple]:
+    """Runs specdec's methods with the peers whose copy of the target is held beside it, interleaved;
+    returns the other peer runtimes [(runtime, specs)], which run after (their copies are freed here)."""
+    phase_one = [(spec, target) for spec in specs if not entries[spec.label].peer]  # plain first: the reference
+    later = []
+    for runtime, group in _peer_groups(specs, entries, target):
+        if not runtime.methods_at_once or not (runtime.reuses(target) or runtime.beside_target):
+            later.append((runtime, group))
+            continue
+        try:
+            runtime_target = target if runtime.reuses(target) else runtime.load(source, config)
+        except MethodUnavailable as why:
+            run.unavailable(group, entries, str(why))
+            continue
+        phase_one += [(spec, runtime_target) for spec in group]
+    run.methods_on(phase_one, entries)
+    return later
+
+
 def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
     """Run the benchmark; pass an already loaded `target` to skip loading `config.target`."""
     specs = [MethodSpec.parse(text) for text in config.methods if text.strip()]
@@ -278,22 +296,7 @@ def run_benchmark(config: BenchConfig, target=None) -> BenchResult:
     model_dir, target_name = getattr(target, "model_dir", None), str(target.name)
     source = PeerSource(name=target_name, model_dir=model_dir, tokenizer=target.tokenizer, vocab_size=target.vocab_size,
                         eos_token_ids=list(target.eos_token_ids))
-    phase_one = [(spec, target) for spec in specs if not entries[spec.label].peer]  # plain first: the reference
-    later, runtime_target = [], None
-    for runtime, group in _peer_groups(specs, entries, target):
-        if not runtime.methods_at_once or not (runtime.reuses(target) or runtime.beside_target):
-            later.append((runtime, group))
-            continue
-        try:
-            runtime_target = target if runtime.reuses(target) else runtime.load(source, config)
-        except MethodUnavailable as why:
-            run.unavailable(group, entries, str(why))
-            continue
-        phase_one += [(spec, runtime_target) for spec in group]
-    run.methods_on(phase_one, entries)
-    phase_one = runtime_target = None  # the peers' copies held beside the target go now
-    gc.collect()
-    for runtime, group in later:
+    for runtime, group in _phase_one(run, specs, entries, target, source, config):  # then the peers run after it
         if owns_target:
             target = None  # never hold the native copy and a peer's copy of a large target together
             gc.collect()
@@ -363,8 +366,8 @@ class _BenchRun:
         return [spec for spec in specs if spec.label not in reported]
 
     def methods_on(self, runs: list[tuple[MethodSpec, object]], entries: dict[str, MethodEntry]) -> None:
-        """Run methods, each on its target (the bench's, or a peer's copy held beside it), INTERLEAVED: every method answers question 1, then
-        every method answers question 2, ... so slow drift of a noisy machine (another tenant,
+        """Run methods, each on its target (the bench's, or a peer's copy held beside it), INTERLEAVED:
+        every method answers question 1, then every method answers question 2, ... so slow drift of a noisy machine (another tenant,
         thermal state) lands on all methods alike instead of on whichever ran during it. With
         repeats, a question runs in rounds, every other round in reverse order (the method that
         ran first runs last), and its rows take the median time of the rounds."""
@@ -379,13 +382,13 @@ class _BenchRun:
                 for question in self.questions:
                     rounds: dict[str, list[list[tuple]]] = {spec.label: [] for spec, *_ in running}
                     for round_index in range(self.config.repeats):
-                        for run in (running if round_index % 2 == 0 else running[::-1]):
-                            spec, record, method, target = run
+                        for slot in (running if round_index % 2 == 0 else running[::-1]):
+                            spec, record, method, target = slot
                             if record["status"] != "ok":
                                 continue
                             try:
                                 if self.config.repeats > 1:  # every round as the first: a fresh method
-                                    method = run[2] = self._fresh(spec, entries[spec.label], method, target)
+                                    method = slot[2] = self._fresh(spec, entries[spec.label], method, target)
                                 rounds[spec.label].append(self._question(method, target, question, advance))
                             except Exception as error:  # one broken method must not lose the others' results
                                 self._failed(record, error)
@@ -542,77 +545,3 @@ class _progress:
         if self.enabled:
             self.bar.__exit__(*exc)
         return False
-
-
-# ============================================================================ CLI
-
-
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--methods", default=DEFAULT_METHODS,
-                        help="comma-separated: plain, drafter names (`specdec drafters`), hf-plain, hf-assisted, hf-pld, "
-                             "llama-plain, llama-lookup (llama.cpp: pip install 'specdec[peers]'), vllm-plain, "
-                             "vllm-ngram, vllm-suffix, vllm-draft-model, vllm-eagle3, vllm-dflash, vllm-dspark, vllm-medusa "
-                             "(vLLM CPU in its own venv: specdec peers install vllm); "
-                             "options as NAME:KEY=VALUE:KEY=VALUE; a drafter's gamma=N|auto replaces --gamma for "
-                             "that method (default: %(default)s)")
-    parser.add_argument("--target", default=DEFAULT_MODEL, help="target model: registry name, HF dir or .gguf")
-    parser.add_argument("--draft-model", default=None,
-                        help="draft model for small-model and hf-assisted (default: qwen2.5-coder-0.5b for "
-                             "qwen2.5-coder-1.5b, else none)")
-    parser.add_argument("--questions", default=None, help=f"Spec-Bench questions jsonl (default: {default_questions_path()})")
-    parser.add_argument("--kinds", default=None, help=f"comma-separated task kinds (default: all of {', '.join(TASK_KINDS)})")
-    parser.add_argument("--limit-per-category", type=int, default=None, metavar="N",
-                        help=f"questions per task kind (quick profile default: {QUICK_LIMIT_PER_KIND})")
-    parser.add_argument("--full", action="store_true", help="every question (instead of the quick profile)")
-    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
-    parser.add_argument("--gamma", default="auto", help="'auto' (cost model; confidence scheduler for drafters that score "
-                        "their positions) or a fixed draft length / node budget")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are checked against plain)")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    add_weights_argument(parser)
-    parser.add_argument("--out", default=None, help="output folder (default: runs/bench-<timestamp>)")
-    parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation per method")
-    parser.add_argument("--repeats", type=int, default=1, metavar="N",
-                        help="rounds per question (every other round in reverse method order), each on a freshly built "
-                             "method (vLLM's: an engine start per round); a turn's time is the median of its rounds, "
-                             "every round's output is checked (default: %(default)s)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-
-
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    if args.full and args.limit_per_category is not None:
-        raise ValueError("--full runs every question; do not combine it with --limit-per-category")
-    gamma = parse_gamma(args.gamma)
-    return BenchConfig(
-        methods=[m for m in args.methods.split(",") if m.strip()],
-        target=args.target,
-        draft_model=args.draft_model,
-        questions_path=args.questions,
-        task_kinds=[k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None,
-        limit_per_kind=None if args.full else (
-            QUICK_LIMIT_PER_KIND if args.limit_per_category is None else args.limit_per_category
-        ),
-        max_new_tokens=args.max_new_tokens,
-        gamma=gamma,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        dtype=args.dtype,
-        weights=args.weights,
-        out_dir=args.out,
-        warmup=not args.no_warmup,
-        repeats=args.repeats,
-        progress=not args.no_progress,
-    )
-
-
-def run_bench(args: argparse.Namespace) -> int:
-    """CLI entry (`specdec bench`): run, write results, print the Markdown table; 1 on a mismatch."""
-    result = run_benchmark(config_from_args(args))
-    print(result.markdown)
-    print(f"\nresults: {result.out_dir}/results.json, results.md, *.png", file=sys.stderr)
-    return result.exit_code
