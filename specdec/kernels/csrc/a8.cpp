@@ -99,6 +99,17 @@ template <typename Fmt, typename = void>
 struct pairs_columns : std::false_type {};
 template <typename Fmt>
 struct pairs_columns<Fmt, std::void_t<decltype(Fmt::kPairColumns)>> : std::bool_constant<Fmt::kPairColumns> {};
+// 32-weight formats whose raw blocks run two columns per zmm as unsigned quants (the VNNI build's
+// 1-4 row tiles): u = q + kA8QuantOffset, so every int32 lane x . q = x . u - offset * (x's 4 bytes summed)
+template <typename Fmt, typename = void>
+struct raw_pairs : std::false_type {};
+template <typename Fmt>
+struct raw_pairs<Fmt, std::void_t<decltype(Fmt::kA8QuantOffset)>> : std::true_type {};
+#ifdef SG_A8_ZMM
+inline __m512 scale_pair(__m256 low, __m256 high) {  // column 2p's 8 lanes, then column 2p + 1's
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(low)), _mm256_castps_pd(high), 1));
+}
+#endif
 
 // K-quants: a super-block's update of the tile's outputs, one row at a time (the AVX2 build, and
 // 1-row tiles on the zmm build): `lanes` = each output's int32 lanes (8 per output), summed to ONE
@@ -221,6 +232,8 @@ void a8_tile(const TileArgs& a) {
   [[maybe_unused]] __m256 acc32[MR][NR];
   [[maybe_unused]] __m128 mins4[MR];  // the min-term sums of a row's (up to) 4 columns, lane c
   constexpr bool kPaired = pairs_columns<Fmt>::value;
+  constexpr bool kRawPaired = raw_pairs<Fmt>::value;
+  constexpr bool kZmmPairs = kPaired || kRawPaired;  // acc_pair holds columns 2p, 2p + 1
   constexpr int kPairs = NR / 2;  // paired: columns 2p, 2p + 1 in acc_pair[r][p]; an odd last column in acc32
 #ifdef SG_A8_ZMM
   [[maybe_unused]] __m512 acc_pair[MR][kPairs > 0 ? kPairs : 1];
@@ -234,7 +247,7 @@ void a8_tile(const TileArgs& a) {
     for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
       for (int c = 0; c < NR; ++c) {
-        if (kPaired && c < 2 * kPairs) {
+        if (kZmmPairs && c < 2 * kPairs) {
           if (c % 2 == 0) load_pair(r, c);
         } else {
           acc32[r][c] = _mm256_loadu_ps(acc_of(r, c));
@@ -270,8 +283,7 @@ void a8_tile(const TileArgs& a) {
         const uint8_t* b1 = b0 + a.ldw;
         wq2[p] = pair_of(Fmt::quants32(b0, 0), Fmt::quants32(b1, 0));
         start2[p] = Fmt::kSigned ? pair_of(Fmt::neg_offset_sums(b0), Fmt::neg_offset_sums(b1)) : _mm512_setzero_si512();
-        scale2[p] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(Fmt::a8_scale(scales[2 * p], 0))),
-                                                        _mm256_castps_pd(Fmt::a8_scale(scales[2 * p + 1], 0)), 1));
+        scale2[p] = scale_pair(Fmt::a8_scale(scales[2 * p], 0), Fmt::a8_scale(scales[2 * p + 1], 0));
       }
       const uint8_t* last = a.w + (NR - 1) * a.ldw + offset;
       const int64_t ab = kb / kA8Sub;
@@ -291,6 +303,43 @@ void a8_tile(const TileArgs& a) {
           const __m256i x8 = _mm512_castsi512_si256(xv);
           const __m256i dot = Fmt::kSigned ? _mm256_dpbusd_epi32(Fmt::neg_offset_sums(last), x8, Fmt::quants32(last, 0))
                                            : _mm256_dpbusd_epi32(_mm256_setzero_si256(), Fmt::quants32(last, 0), x8);
+          acc32[r][NR - 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(Fmt::a8_scale(scales[NR - 1], 0), _mm512_castps512_ps256(dx)),
+                                             acc32[r][NR - 1]);
+        }
+        if constexpr (Fmt::kHasMin) mins4[r] = _mm_add_ps(mins4[r], _mm_mul_ps(m_cols, _mm_set1_ps(row.ds[ab])));
+      }
+    } else if constexpr (kBlock32 && kRawPaired) {  // see raw_pairs: the lanes and float steps of the 256-bit code
+      constexpr int kOffset = Fmt::kA8QuantOffset;
+      typename Fmt::Scales scales[NR];
+      __m512i wu2[kPairs > 0 ? kPairs : 1];  // columns 2p | 2p + 1
+      __m512 scale2[kPairs > 0 ? kPairs : 1];
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) Fmt::prepare(a.w + c * a.ldw + offset, scales[c]);
+#pragma GCC unroll 4
+      for (int p = 0; p < kPairs; ++p) {
+        const uint8_t* b0 = a.w + 2 * p * a.ldw + offset;
+        wu2[p] = Fmt::quants_u64(b0, b0 + a.ldw);
+        scale2[p] = scale_pair(Fmt::a8_scale(scales[2 * p], 0), Fmt::a8_scale(scales[2 * p + 1], 0));
+      }
+      [[maybe_unused]] __m256i wu_last;  // an odd last column: its 32 quants + the offset (mod 256)
+      if constexpr (NR % 2) wu_last = _mm256_add_epi8(Fmt::quants32(a.w + (NR - 1) * a.ldw + offset, 0), _mm256_set1_epi8((char)kOffset));
+      const int64_t ab = kb / kA8Sub;
+      [[maybe_unused]] const __m128 m_cols = min_cols<Fmt, NR>(scales);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const A8Row row(a.xq + r * a.ldxq, a.K);
+        const __m512i xv = broadcast32(row.q + kb);
+        __m512i start = _mm512_setzero_si512();  // -offset * (each lane's 4 activations summed)
+        if constexpr (kOffset != 0)
+          start = _mm512_sub_epi32(start, _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)kOffset), xv));
+        const __m512 dx = _mm512_set1_ps(row.d[ab]);
+#pragma GCC unroll 4
+        for (int p = 0; p < kPairs; ++p) {
+          const __m512i dot = _mm512_dpbusd_epi32(start, wu2[p], xv);
+          acc_pair[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale2[p], dx), acc_pair[r][p]);
+        }
+        if constexpr (NR % 2) {
+          const __m256i dot = _mm256_dpbusd_epi32(_mm512_castsi512_si256(start), wu_last, _mm512_castsi512_si256(xv));
           acc32[r][NR - 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(Fmt::a8_scale(scales[NR - 1], 0), _mm512_castps512_ps256(dx)),
                                              acc32[r][NR - 1]);
         }
@@ -452,7 +501,7 @@ void a8_tile(const TileArgs& a) {
     for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
       for (int c = 0; c < NR; ++c) {
-        if (kPaired && c < 2 * kPairs) {
+        if (kZmmPairs && c < 2 * kPairs) {
           if (c % 2 == 0) store_pair(r, c);
         } else {
           _mm256_storeu_ps(acc_of(r, c), acc32[r][c]);

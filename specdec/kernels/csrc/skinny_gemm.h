@@ -203,6 +203,16 @@ inline __m512i nibble_pair64(const uint8_t* p) {  // 32 bytes -> their low nibbl
   const __m512i b = broadcast32(p);
   return _mm512_and_si512(_mm512_mask_srli_epi16(b, kHighWords, b, 4), _mm512_set1_epi8(0x0f));
 }
+// The 32-weight formats' blocks of two columns, one per 256-bit half (the raw blocks' 1-4 row tiles):
+// 16 bytes of each -> its 16 low nibbles, then its 16 high nibbles (split_nibbles32 of each half)
+inline __m512i split_nibbles_pair(const uint8_t* p0, const uint8_t* p1) {
+  const __m512i b = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p0))),
+                                       _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p1)), 1);
+  return _mm512_and_si512(_mm512_mask_srli_epi16(b, 0xff00ff00u, b, 4), _mm512_set1_epi8(0x0f));  // words of 128-bit lanes 1, 3
+}
+inline __m512i load_pair64(const uint8_t* p0, const uint8_t* p1) {  // 32 bytes of each, p0's in the low half
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p0)), _mm256_loadu_si256((const __m256i*)p1), 1);
+}
 // The int16 lanes of _mm512_packs_epi32(dpbusd of pair 2 quad, dpbusd of pair 2 quad + 1): lanes 8k ..
 // 8k + 3 are 16-weight group 8 quad + k, lanes 8k + 4 .. 8k + 7 group 8 quad + 4 + k. -> the index of
 // each lane's scale in KQuantA8Scales::sc (a scale per 16 weights, or per 32: group / 2).
@@ -273,6 +283,13 @@ struct Q4_0Format {  // d fp16, qs[16]: weight j < 16 = low nibble of qs[j], j >
   static __m256i quants32(const uint8_t* b, int) { return _mm256_sub_epi8(split_nibbles32(b + 2), _mm256_set1_epi8(8)); }
   static __m256 a8_scale(const Scales& s, int) { return _mm256_set1_ps(s.d); }
   static float a8_min(const Scales&, int) { return 0.0f; }
+#ifdef SG_A8_ZMM
+  // the raw blocks' 1-4 row tiles: two columns' quants as unsigned bytes u = q + kA8QuantOffset
+  static constexpr int kA8QuantOffset = 8;
+  static __m512i quants_u64(const uint8_t* b0, const uint8_t* b1) {
+    return split_nibbles_pair(b0 + 2, b1 + 2);
+  }
+#endif
 };
 
 struct Q4_1Format {  // d fp16, m fp16, qs[16] as Q4_0
@@ -290,6 +307,13 @@ struct Q4_1Format {  // d fp16, m fp16, qs[16] as Q4_0
   static __m256i quants32(const uint8_t* b, int) { return split_nibbles32(b + 4); }
   static __m256 a8_scale(const Scales& s, int) { return _mm256_set1_ps(s.d); }
   static float a8_min(const Scales& s, int) { return s.m; }
+#ifdef SG_A8_ZMM
+  // the raw blocks' 1-4 row tiles: two columns' quants as unsigned bytes u = q + kA8QuantOffset
+  static constexpr int kA8QuantOffset = 0;
+  static __m512i quants_u64(const uint8_t* b0, const uint8_t* b1) {
+    return split_nibbles_pair(b0 + 4, b1 + 4);
+  }
+#endif
 };
 
 struct Q5_0Format {  // d fp16, qh u32 (bit j = 5th bit of weight j), qs[16] as Q4_0
@@ -314,6 +338,16 @@ struct Q5_0Format {  // d fp16, qh u32 (bit j = 5th bit of weight j), qs[16] as 
   }
   static __m256 a8_scale(const Scales& s, int) { return _mm256_set1_ps(s.d); }
   static float a8_min(const Scales&, int) { return 0.0f; }
+#ifdef SG_A8_ZMM
+  // the raw blocks' 1-4 row tiles: two columns' quants as unsigned bytes u = q + kA8QuantOffset
+  static constexpr int kA8QuantOffset = 16;
+  static __m512i quants_u64(const uint8_t* b0, const uint8_t* b1) {
+    uint32_t qh0, qh1;  // bit j: 16 on weight j
+    std::memcpy(&qh0, b0 + 2, 4), std::memcpy(&qh1, b1 + 2, 4);
+    const __m512i low = split_nibbles_pair(b0 + 6, b1 + 6);
+    return _mm512_mask_add_epi8(low, _cvtu64_mask64((uint64_t)qh1 << 32 | qh0), low, _mm512_set1_epi8(16));
+  }
+#endif
 };
 
 struct Q8_0Format {  // d fp16, qs int8[32]
@@ -328,6 +362,13 @@ struct Q8_0Format {  // d fp16, qs int8[32]
   static __m256i quants32(const uint8_t* b, int) { return load32(b + 2); }
   static __m256 a8_scale(const Scales& s, int) { return _mm256_set1_ps(s.d); }
   static float a8_min(const Scales&, int) { return 0.0f; }
+#ifdef SG_A8_ZMM
+  // the raw blocks' 1-4 row tiles: two columns' quants as unsigned bytes u = q + kA8QuantOffset
+  static constexpr int kA8QuantOffset = 128;
+  static __m512i quants_u64(const uint8_t* b0, const uint8_t* b1) {
+    return _mm512_xor_si512(load_pair64(b0 + 2, b1 + 2), _mm512_set1_epi8((char)0x80));  // q + 128 (mod 256)
+  }
+#endif
 };
 
 // Q4_K / Q5_K: 256 weights in 8 sub-blocks of 32, each with a 6-bit scale and min packed in 12 bytes.
