@@ -11,7 +11,9 @@ step in the same process gives T(1), so the costs are also reported in units of 
 
 `--small-model NAME` adds the small-model drafter (a real model: its drafts are sometimes accepted) as a
 chain of --small-model-gamma tokens, once per `--draft-vocabs` size (0 = its whole vocabulary); its
-cost per drafted token is one draft-model step, the number the cost model weighs against T(1):
+cost per drafted token is one draft-model step, the number the cost model weighs against T(1). The
+loop's per-step times include each generation's prefills, so the draft step is also timed alone: one
+-token forwards of the draft model (with its draft vocabulary's head) and of the target, alternating:
 
     python scripts/draft_cost.py --model qwen2.5-coder-1.5b --weights gguf-a8 --small-model qwen2.5-coder-0.5b \
         --draft-vocabs 0,32768,8192 --eagle-depths 1 --skip-block
@@ -22,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
+import time
 
 from specdec import generate, load_target, make_drafter  # first: the package sets OMP_WAIT_POLICY before torch loads
 from specdec.heads import build_heads
@@ -40,6 +44,29 @@ def per_step_ms(target, drafter, max_new_tokens: int, gamma) -> dict:
     steps = max(1, stats.steps)
     return {"steps": stats.steps, "tau": stats.tau, "draft_ms": 1e3 * stats.time_draft_s / steps,
             "verify_ms": 1e3 * stats.time_verify_s / steps, "drafted_per_step": stats.drafted_tokens / steps}
+
+
+def forward_ms(model, lm_head=None, rounds: int = 30) -> list[float]:
+    """Milliseconds of `rounds` one-token forwards of `model` after a 64-token prefix (lm_head: a draft head)."""
+    cache = model.new_cache(1, 64 + rounds + 1)
+    model.forward(torch.arange(100, 164)[None], torch.arange(64)[None], cache, lm_head=lm_head)  # [1, 64] prefix
+    times = []
+    for i in range(rounds):
+        start = time.perf_counter()
+        model.forward(torch.tensor([[300 + i]]), torch.tensor([[64 + i]]), cache, lm_head=lm_head)
+        times.append(1e3 * (time.perf_counter() - start))
+    return times
+
+
+def step_ratio(target, drafter, rounds: int) -> dict:
+    """One draft-model forward / one target forward, 1 token each: blocks of 10 forwards alternating
+    between the two models (a slow spell of a shared machine lands on both), median of each."""
+    draft_times, target_times = [], []
+    for _ in range(max(1, rounds // 10)):
+        target_times += forward_ms(target, rounds=10)
+        draft_times += forward_ms(drafter.draft_target, drafter.lm_head, rounds=10)
+    draft_ms, target_ms = statistics.median(draft_times), statistics.median(target_times)
+    return {"draft_forward_ms": draft_ms, "target_forward_ms": target_ms, "step_ratio": draft_ms / target_ms}
 
 
 def untrained_drafter(target, kind: str, directory: str, num_positions: int, **options):
@@ -61,6 +88,8 @@ def main(argv=None) -> int:
     parser.add_argument("--small-model", default=None, help="also time the small-model drafter with this draft model")
     parser.add_argument("--small-model-gamma", type=int, default=4)
     parser.add_argument("--draft-vocabs", default="0,32768", help="small-model draft_vocab sizes to time (0 = all)")
+    parser.add_argument("--step-rounds", type=int, default=40,
+                        help="one-token forwards of each model for the draft step / target step ratio")
     parser.add_argument("--skip-block", action="store_true", help="leave out the DSpark / DFlash / EAGLE-3 rows")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
@@ -76,7 +105,8 @@ def main(argv=None) -> int:
     for vocab in [int(v) for v in args.draft_vocabs.split(",")] if args.small_model else []:
         drafter = make_drafter("small-model", target, draft_model=args.small_model, tree=False,
                                gamma=args.small_model_gamma, draft_vocab=vocab)
-        rows[f"small-model vocab {vocab or 'all'}"] = per_step_ms(target, drafter, args.max_new_tokens, args.small_model_gamma)
+        row = per_step_ms(target, drafter, args.max_new_tokens, args.small_model_gamma)
+        rows[f"small-model vocab {vocab or 'all'}"] = {**row, **step_ratio(target, drafter, args.step_rounds)}
         del drafter
     print(f"{args.model} ({args.weights or 'default'} weights), draft weights {args.draft_weights}: T(1) = {t1:.1f} ms (plain decoding's verify per step, this process)")
     print(f"{'config':24s} {'drafted':>8s} {'draft ms':>9s} {'/T(1)':>6s} {'per token /T(1)':>16s} {'verify ms':>10s} {'/T(1)':>6s}")
@@ -84,6 +114,10 @@ def main(argv=None) -> int:
         per_token = f"{row['draft_ms'] / row['drafted_per_step'] / t1:.2f}" if row["drafted_per_step"] else "-"
         print(f"{name:24s} {row['drafted_per_step']:8.1f} {row['draft_ms']:9.1f} {row['draft_ms'] / t1:6.2f} {per_token:>16s} "
               f"{row['verify_ms']:10.1f} {row['verify_ms'] / t1:6.2f}")
+    for name, row in rows.items():
+        if "step_ratio" in row:
+            print(f"{name}: one draft-model forward {row['draft_forward_ms']:.1f} ms / one target forward "
+                  f"{row['target_forward_ms']:.1f} ms = {row['step_ratio']:.2f} (1 token each, medians, alternating)")
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"model": args.model, "t1_ms": t1, "rows": rows}, out, indent=2)
