@@ -235,8 +235,13 @@ constexpr int64_t kDecodeOnceMinBlocks = 4;  // exact mode (both builds); a8 on 
 // the 4-row tile 584 instructions on the blocks, 437 on the scratch, the decode 268.
 #ifdef SG_A8_ZMM
 constexpr int64_t kA8DecodeOnceFewBlocks = 2;
+// The 32-weight formats' raw blocks run two columns per zmm too (raw_pairs in a8.cpp), so there the
+// scratch pays only from more blocks: from n blocks where decode + n x (4-row tile on the scratch) <
+// n x (4-row tile on the blocks), static counts per 4 columns (docs/performance.md)
+constexpr int64_t a8_pairs_min_blocks(int64_t zmm_blocks) { return zmm_blocks; }
 #else
 constexpr int64_t kA8DecodeOnceFewBlocks = kDecodeOnceMinBlocks;
+constexpr int64_t a8_pairs_min_blocks(int64_t) { return kDecodeOnceMinBlocks; }
 #endif
 
 struct NoScales {};
@@ -278,7 +283,7 @@ struct Q4_0Format {  // d fp16, qs[16]: weight j < 16 = low nibble of qs[j], j >
   }
   // a8: signed quants (dot with |q| and sign-moved activations), one scale per 32, no min term
   static constexpr int kA8Block = 32;
-  static constexpr int64_t kA8DecodeOnceMinBlocks = kA8DecodeOnceFewBlocks;
+  static constexpr int64_t kA8DecodeOnceMinBlocks = a8_pairs_min_blocks(7);
   static constexpr bool kSigned = true, kHasMin = false;
   static __m256i quants32(const uint8_t* b, int) { return _mm256_sub_epi8(split_nibbles32(b + 2), _mm256_set1_epi8(8)); }
   static __m256 a8_scale(const Scales& s, int) { return _mm256_set1_ps(s.d); }
@@ -302,7 +307,7 @@ struct Q4_1Format {  // d fp16, m fp16, qs[16] as Q4_0
   }
   // a8: d * sum(q * a) + m * sum(a)
   static constexpr int kA8Block = 32;
-  static constexpr int64_t kA8DecodeOnceMinBlocks = kA8DecodeOnceFewBlocks;
+  static constexpr int64_t kA8DecodeOnceMinBlocks = a8_pairs_min_blocks(8);
   static constexpr bool kSigned = false, kHasMin = true;
   static __m256i quants32(const uint8_t* b, int) { return split_nibbles32(b + 4); }
   static __m256 a8_scale(const Scales& s, int) { return _mm256_set1_ps(s.d); }
@@ -328,7 +333,7 @@ struct Q5_0Format {  // d fp16, qh u32 (bit j = 5th bit of weight j), qs[16] as 
     return vmul(vset1(s.d), u8_with_high_bits_minus_16(nibbles(load_bytes(b + 6 + e % 16), e >= 16), bits));
   }
   static constexpr int kA8Block = 32;
-  static constexpr int64_t kA8DecodeOnceMinBlocks = kA8DecodeOnceFewBlocks;
+  static constexpr int64_t kA8DecodeOnceMinBlocks = a8_pairs_min_blocks(5);
   static constexpr bool kSigned = true, kHasMin = false;
   static __m256i quants32(const uint8_t* b, int) {  // (nibble | 16 * bit j of qh) - 16
     uint32_t qh;
@@ -357,7 +362,7 @@ struct Q8_0Format {  // d fp16, qs int8[32]
   static void prepare(const uint8_t* b, Scales& s) { s.d = fp16_to_fp32(b); }
   static vec load(const uint8_t* b, const Scales& s, int e) { return vmul(i8_to_vec(load_bytes(b + 2 + e)), vset1(s.d)); }
   static constexpr int kA8Block = 32;
-  static constexpr int64_t kA8DecodeOnceMinBlocks = kA8DecodeOnceFewBlocks;
+  static constexpr int64_t kA8DecodeOnceMinBlocks = a8_pairs_min_blocks(8);
   static constexpr bool kSigned = true, kHasMin = false;
   static __m256i quants32(const uint8_t* b, int) { return load32(b + 2); }
   static __m256 a8_scale(const Scales& s, int) { return _mm256_set1_ps(s.d); }
