@@ -222,6 +222,7 @@ class PlanState:
     draft_totals: tuple[float, int, int] = (0.0, 0, 0)  # (draft s, drafted tokens, drafting steps) at the last measurement
     block: list[float] | None = None  # this step's block confidences, when the scheduler cut it (observe learns from them)
     cut_tokens: int = 0  # drafted, then cut off by the scheduler before verification (all steps so far)
+    catch_up_tokens: int = 0  # committed tokens the drafter had not seen when this step's budget was planned
 
 
 class BudgetPolicy(ABC):
@@ -285,7 +286,9 @@ class AutoBudget(BudgetPolicy):
       still allowed (max_new_tokens is an upper bound: answers often stop early);
     - probes: after `probe_every` plain steps one single-token draft is sent so estimates can
       recover; each probe that is not followed by drafting doubles the interval (up to
-      `max_probe_every`), and no probe is sent when its catch-up would cost more than a step;
+      `max_probe_every`), and no probe is sent while its catch-up would cost more than one step
+      per `probe_every` idle steps (the catch-up of a drafter that is not fed while idle grows with
+      them; a fixed limit would never probe it again);
     - a population prior: every sequence's outcomes feed one slow tracker whose depth-1
       estimate is the prior of new sequences, so a drafter that failed on earlier requests
       under this policy (a server's lifetime, a bench method) starts cautious; likewise a new
@@ -390,6 +393,13 @@ class AutoBudget(BudgetPolicy):
         return drafts
 
     def plan(self, seqs) -> list[int]:
+        budgets = self._plan(seqs)
+        for seq, budget in zip(seqs, budgets):
+            if budget:  # what this step's draft time will include besides drafting (_update_draft_cost)
+                seq.plan_state.catch_up_tokens = seq.drafter.catch_up_tokens(seq.ctx)
+        return budgets
+
+    def _plan(self, seqs) -> list[int]:
         if any(self.schedules(seq.drafter) for seq in seqs):
             others = len(seqs) - 1
             return [self._block(seq, others) if self.schedules(seq.drafter) else self.max_budget_for(seq.drafter)
@@ -442,7 +452,11 @@ class AutoBudget(BudgetPolicy):
         if state.probe_interval is None:
             state.probe_interval = self.population_probe_every
         interval = state.probe_interval
-        if idle >= interval and self.catch_up_ms(seq) <= self.cost.t(1):
+        # a probe's catch-up may cost ~one step per probe_every idle steps: a model drafter is not fed
+        # while idle, so its catch-up grows with every plain step, and a fixed one-step limit would
+        # shut it out for the rest of the sequence after ~10 idle steps
+        allowed_ms = self.cost.t(1) * max(1.0, idle / self.probe_every)
+        if idle >= interval and self.catch_up_ms(seq) <= allowed_ms:
             state.probe_interval = self.population_probe_every = min(2 * interval, self.max_probe_every)
             idle = 0
             chosen = 1
@@ -466,16 +480,19 @@ class AutoBudget(BudgetPolicy):
         self._update_draft_cost(seq)
 
     def _update_draft_cost(self, seq) -> None:
-        """EMA of draft ms per drafted token (verified or cut off by the scheduler) over steps. The
-        first drafting step is skipped: it includes one-off work (a draft model prefilling the whole
-        prompt) that would otherwise make drafting look far more expensive per token than it is."""
+        """EMA of draft ms per drafted token (verified or cut off by the scheduler) over steps. Steps
+        whose draft time includes one-off work are skipped: the first (a draft model prefilling the
+        whole prompt) and any that first caught up on more committed tokens than one drafting step
+        commits (a probe after plain steps feeds the drafter all of them). That work is priced
+        apart (catch_up_ms); folded in, it made drafting look several times dearer per token than
+        it is, and a drafter whose probes succeeded was still judged not to pay."""
         state = seq.plan_state
         time_s, drafted = seq.stats.time_draft_s, seq.stats.drafted_tokens + state.cut_tokens
         last_time_s, last_drafted, steps_seen = state.draft_totals
         if drafted <= last_drafted:
             return
         state.draft_totals = (time_s, drafted, steps_seen + 1)
-        if steps_seen == 0:
+        if steps_seen == 0 or state.catch_up_tokens > self.max_budget_for(seq.drafter) + 1:
             return
         step_ms = 1000.0 * (time_s - last_time_s) / (drafted - last_drafted)
         previous = state.draft_ms_per_token

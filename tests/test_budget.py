@@ -95,12 +95,64 @@ def test_probes_back_off_and_skip_expensive_catch_up():
     assert probes[0] == 0  # the prior (0.6) says a single-token draft pays; one rejection says no
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == [4, 8] + [16] * (len(gaps) - 2) and len(gaps) >= 6
-    # a probe that would first need an expensive catch-up is not sent
+    # a probe that would first need an expensive catch-up waits until it costs at most a step per
+    # probe_every idle steps
     idle = make_seq(StubDrafter(pending=500, cost_tokens=0.5), max_new_tokens=10_000)
     policy._tracker(idle).update(4, 0)
     for _ in range(10):
         policy._tracker(idle).update(1, 0)
-    assert sum(policy.plan([idle])[0] for _ in range(100)) == 0
+    plans = [policy.plan([idle])[0] for _ in range(100)]
+    first = plans.index(1)  # after first + 1 idle steps
+    assert sum(plans) == 1 and first > 16
+    assert TABLE.t(1) * first / policy.probe_every < policy.catch_up_ms(idle) <= TABLE.t(1) * (first + 1) / policy.probe_every
+
+
+def test_probes_reach_a_drafter_whose_catch_up_grows_while_idle():
+    """A model drafter is not fed while idle: its catch-up grows by a token per plain step. Probes
+    keep coming (the allowed catch-up grows with the idle steps), each within about one step of
+    catch-up per probe_every idle steps; with the limit fixed at one step they stopped for good."""
+    policy = AutoBudget(TABLE, max_budget=8, probe_every=8, max_probe_every=64)
+    drafter = StubDrafter(pending=0, cost_tokens=0.5)
+    seq = make_seq(drafter, max_new_tokens=10_000)
+    probes, idle = [], 0
+    for step in range(400):
+        drafter.pending = idle + 1  # the committed tokens it has not seen, its root included
+        budget = policy.plan([seq])[0]
+        if budget:
+            probes.append((step, policy.catch_up_ms(seq), idle))
+            idle = 0
+        else:
+            idle += 1
+        policy.observe(seq, budget, 0)
+    late = [(step, cost, waited) for step, cost, waited in probes if cost > TABLE.t(1)]
+    assert len(probes) >= 6 and late, probes  # probes past the point a fixed one-step limit shuts them out
+    for step, cost, waited in probes:
+        assert cost <= TABLE.t(1) * max(1.0, waited / policy.probe_every), (step, cost, waited)
+
+
+def test_draft_cost_leaves_out_a_catch_up_after_plain_steps():
+    """The measured draft ms per token learns from drafting steps only: a step that first fed the
+    drafter the tokens of earlier plain steps (its catch-up, priced apart) does not enter it."""
+    policy = AutoBudget(TABLE, max_budget=8)
+    drafter = StubDrafter(pending=1, cost_tokens=0.3, default_budget=2)
+    seq = make_seq(drafter, max_new_tokens=10_000)
+
+    def step(seconds_per_token, extra_seconds=0.0, pending=1):
+        drafter.pending = pending
+        budget = policy.plan([seq])[0]
+        assert budget > 0
+        seq.stats.drafted_tokens += budget
+        seq.stats.time_draft_s += budget * seconds_per_token + extra_seconds
+        policy.observe(seq, budget, budget)  # every draft accepted: drafting keeps paying
+
+    step(0.03, extra_seconds=2.0)  # the first step (a draft model prefilling the prompt): left out
+    for _ in range(5):
+        step(0.03)
+    assert seq.plan_state.draft_ms_per_token == pytest.approx(30.0)
+    step(0.03, extra_seconds=1.0, pending=40)  # first fed 40 committed tokens: left out
+    assert seq.plan_state.draft_ms_per_token == pytest.approx(30.0)
+    step(0.06, pending=3)  # a drafting step's own catch-up (its accepted tokens + the bonus) counts
+    assert seq.plan_state.draft_ms_per_token == pytest.approx(0.7 * 30.0 + 0.3 * 60.0)
 
 
 def test_new_sequences_start_at_the_probe_interval_the_population_reached():
