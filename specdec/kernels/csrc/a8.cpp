@@ -105,9 +105,21 @@ template <typename Fmt, typename = void>
 struct raw_pairs : std::false_type {};
 template <typename Fmt>
 struct raw_pairs<Fmt, std::void_t<decltype(Fmt::kA8QuantOffset)>> : std::true_type {};
+// 32-weight formats, a block's float step per output: acc = fma(float(int32 lanes), d_w * d_x, acc)
+inline __m256 block32_step(__m256 acc, __m256i dot, __m256 weight_scale, __m256 dx) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(weight_scale, dx), acc);
+}
 #ifdef SG_A8_ZMM
+inline __m512 block32_step(__m512 acc, __m512i dot, __m512 weight_scales, __m512 dx) {  // two columns
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(weight_scales, dx), acc);
+}
 inline __m512 scale_pair(__m256 low, __m256 high) {  // column 2p's 8 lanes, then column 2p + 1's
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(low)), _mm256_castps_pd(high), 1));
+}
+// -offset * (the sum of each int32 lane's 4 activation bytes): the start that makes vpdpbusd on
+// unsigned quants u = q + offset give exactly q . x per lane
+inline __m512i neg_offset_lane_sums(__m512i x, int offset) {
+  return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)offset), x));
 }
 #endif
 
@@ -297,14 +309,13 @@ void a8_tile(const TileArgs& a) {
 #pragma GCC unroll 4
         for (int p = 0; p < kPairs; ++p) {
           const __m512i dot = Fmt::kSigned ? _mm512_dpbusd_epi32(start2[p], xv, wq2[p]) : _mm512_dpbusd_epi32(start2[p], wq2[p], xv);
-          acc_pair[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale2[p], dx), acc_pair[r][p]);
+          acc_pair[r][p] = block32_step(acc_pair[r][p], dot, scale2[p], dx);
         }
         if constexpr (NR % 2) {
           const __m256i x8 = _mm512_castsi512_si256(xv);
           const __m256i dot = Fmt::kSigned ? _mm256_dpbusd_epi32(Fmt::neg_offset_sums(last), x8, Fmt::quants32(last, 0))
                                            : _mm256_dpbusd_epi32(_mm256_setzero_si256(), Fmt::quants32(last, 0), x8);
-          acc32[r][NR - 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(Fmt::a8_scale(scales[NR - 1], 0), _mm512_castps512_ps256(dx)),
-                                             acc32[r][NR - 1]);
+          acc32[r][NR - 1] = block32_step(acc32[r][NR - 1], dot, Fmt::a8_scale(scales[NR - 1], 0), _mm512_castps512_ps256(dx));
         }
         if constexpr (Fmt::kHasMin) mins4[r] = _mm_add_ps(mins4[r], _mm_mul_ps(m_cols, _mm_set1_ps(row.ds[ab])));
       }
@@ -329,19 +340,16 @@ void a8_tile(const TileArgs& a) {
       for (int r = 0; r < MR; ++r) {
         const A8Row row(a.xq + r * a.ldxq, a.K);
         const __m512i xv = broadcast32(row.q + kb);
-        __m512i start = _mm512_setzero_si512();  // -offset * (each lane's 4 activations summed)
-        if constexpr (kOffset != 0)
-          start = _mm512_sub_epi32(start, _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)kOffset), xv));
+        const __m512i start = kOffset != 0 ? neg_offset_lane_sums(xv, kOffset) : _mm512_setzero_si512();
         const __m512 dx = _mm512_set1_ps(row.d[ab]);
 #pragma GCC unroll 4
         for (int p = 0; p < kPairs; ++p) {
           const __m512i dot = _mm512_dpbusd_epi32(start, wu2[p], xv);
-          acc_pair[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale2[p], dx), acc_pair[r][p]);
+          acc_pair[r][p] = block32_step(acc_pair[r][p], dot, scale2[p], dx);
         }
         if constexpr (NR % 2) {
           const __m256i dot = _mm256_dpbusd_epi32(_mm512_castsi512_si256(start), wu_last, _mm512_castsi512_si256(xv));
-          acc32[r][NR - 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(Fmt::a8_scale(scales[NR - 1], 0), _mm512_castps512_ps256(dx)),
-                                             acc32[r][NR - 1]);
+          acc32[r][NR - 1] = block32_step(acc32[r][NR - 1], dot, Fmt::a8_scale(scales[NR - 1], 0), _mm512_castps512_ps256(dx));
         }
         if constexpr (Fmt::kHasMin) mins4[r] = _mm_add_ps(mins4[r], _mm_mul_ps(m_cols, _mm_set1_ps(row.ds[ab])));
       }
@@ -366,7 +374,7 @@ void a8_tile(const TileArgs& a) {
 #pragma GCC unroll 8
         for (int c = 0; c < NR; ++c) {
           const __m256i dot = dot_u8_i8(wq[c], Fmt::kSigned ? _mm256_sign_epi8(xv, wsign[c]) : xv);
-          acc32[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(Fmt::a8_scale(scales[c], 0), dx), acc32[r][c]);
+          acc32[r][c] = block32_step(acc32[r][c], dot, Fmt::a8_scale(scales[c], 0), dx);
         }
         if constexpr (Fmt::kHasMin) mins4[r] = _mm_add_ps(mins4[r], _mm_mul_ps(m_cols, _mm_set1_ps(row.ds[ab])));
       }
@@ -398,7 +406,7 @@ void a8_tile(const TileArgs& a) {
             start[r][half] = _mm512_setzero_si512();
             if constexpr (Fmt::kZmmOffset != 0) {
               const __m512i x = _mm512_loadu_si512((const void*)(xq + r * a.ldxq + 64 * half));
-              start[r][half] = _mm512_sub_epi32(start[r][half], _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(Fmt::kZmmOffset), x));
+              start[r][half] = neg_offset_lane_sums(x, Fmt::kZmmOffset);
             }
           }
         const __m512i scale_index = quad_scale_index(quad, Fmt::kA8ScalePer16);
