@@ -120,8 +120,9 @@ class SpecBatch:
             new.append(RunningSequence(ctx, seq_drafter, SpecStats(), limit, tuple(s for s in _as_stop_tuple(stops) if s)))
         # the LM head only for each prompt's last row, unless a drafter wants every row's logits
         last_only = getattr(self.target, "selects_logits", False) and not getattr(self.drafter, "wants_node_logits", False)
-        for start, end in _prefill_groups([len(p) for p in prompts], 1 if last_only else self.target.vocab_size):
-            self._prefill(first_row + start, prompts[start:end], new[start:end], last_only)
+        with self.target.kernel_owns_threads():
+            for start, end in _prefill_groups([len(p) for p in prompts], 1 if last_only else self.target.vocab_size):
+                self._prefill(first_row + start, prompts[start:end], new[start:end], last_only)
         self.seqs.extend(new)
         self._drop_finished()
         return new
@@ -161,42 +162,43 @@ class SpecBatch:
         seqs = list(self.seqs)
         if not seqs:
             return []
-        # 1-2. the policy's drafts: budgets (it sees every running sequence: load-aware), proposals,
-        # and the prefix of each draft worth verifying (one decision across the batch)
-        drafts = self.policy.draft(seqs, _propose)
-        rows = self.cache.rows(0, len(seqs))
-        with _timed_for_all(seqs, "verify"):
-            # 3. one batch: [root, *draft nodes, padding] per row, tree masks, positions
-            starts = rows.lengths.clone()
-            width = 1 + max(len(d) for d in drafts)
-            tokens, positions, mask = _batch_inputs(seqs, drafts, starts, width)
-            # 4. the one target forward (rows with shorter drafts are padded; a target that can
-            # skips the padding's compute, so the cost follows the real token count)
-            extra = _skip_padding(self.target, torch.tensor([1 + len(d) for d in drafts]), width)
-            logits, hiddens = self.target.forward(tokens, positions, rows, attn_mask=mask, hidden_layers=self.hidden_layers,
-                                                  **extra)
-            # 5. verification per row
-            results = []
-            for row, (seq, draft) in enumerate(zip(seqs, drafts)):
-                target_probs = warp_logits_to_probs(logits[row, : len(draft) + 1], seq.ctx.sampling)  # [N+1, V]
-                results.append(_verify(draft, target_probs, seq.ctx.generator))
-        # 6. commit, compact the cache to the accepted path, feed drafters
-        for row, (seq, draft, result) in enumerate(zip(seqs, drafts, results)):
-            kept = [0] + [1 + node for node in result.path]  # root + accepted path rows
-            rows.keep(row, int(starts[row]), kept)
-            with seq.stats.timer("other"):
-                seq.last_committed = _commit(seq, result.tokens, self.target, self.eos_ids)
-            max_depth = int(draft.depths.max()) if len(draft) else 0
-            seq.stats.record_step(len(draft), result.num_accepted, len(seq.last_committed), max_depth)
-            if draft.sources is not None:  # a drafter merging several sources (hybrid): who proposed what
-                seq.stats.record_sources(draft.sources, result.path)
-            self.policy.observe(seq, max_depth, result.num_accepted)
-            if seq.drafter is not None:
-                seq.ctx.new_hidden = {layer: h[row, kept] for layer, h in hiddens.items()}
-                if seq.drafter.wants_node_logits:
-                    seq.ctx.all_node_logits = logits[row, : len(draft) + 1]
-                with seq.stats.timer("draft"):
-                    (seq.drafter.on_finished if seq.done else seq.drafter.on_verified)(result, seq.ctx)
+        with self.target.kernel_owns_threads():  # the whole step: torch's ops between kernel calls on one thread
+            # 1-2. the policy's drafts: budgets (it sees every running sequence: load-aware), proposals,
+            # and the prefix of each draft worth verifying (one decision across the batch)
+            drafts = self.policy.draft(seqs, _propose)
+            rows = self.cache.rows(0, len(seqs))
+            with _timed_for_all(seqs, "verify"):
+                # 3. one batch: [root, *draft nodes, padding] per row, tree masks, positions
+                starts = rows.lengths.clone()
+                width = 1 + max(len(d) for d in drafts)
+                tokens, positions, mask = _batch_inputs(seqs, drafts, starts, width)
+                # 4. the one target forward (rows with shorter drafts are padded; a target that can
+                # skips the padding's compute, so the cost follows the real token count)
+                extra = _skip_padding(self.target, torch.tensor([1 + len(d) for d in drafts]), width)
+                logits, hiddens = self.target.forward(tokens, positions, rows, attn_mask=mask, hidden_layers=self.hidden_layers,
+                                                      **extra)
+                # 5. verification per row
+                results = []
+                for row, (seq, draft) in enumerate(zip(seqs, drafts)):
+                    target_probs = warp_logits_to_probs(logits[row, : len(draft) + 1], seq.ctx.sampling)  # [N+1, V]
+                    results.append(_verify(draft, target_probs, seq.ctx.generator))
+            # 6. commit, compact the cache to the accepted path, feed drafters
+            for row, (seq, draft, result) in enumerate(zip(seqs, drafts, results)):
+                kept = [0] + [1 + node for node in result.path]  # root + accepted path rows
+                rows.keep(row, int(starts[row]), kept)
+                with seq.stats.timer("other"):
+                    seq.last_committed = _commit(seq, result.tokens, self.target, self.eos_ids)
+                max_depth = int(draft.depths.max()) if len(draft) else 0
+                seq.stats.record_step(len(draft), result.num_accepted, len(seq.last_committed), max_depth)
+                if draft.sources is not None:  # a drafter merging several sources (hybrid): who proposed what
+                    seq.stats.record_sources(draft.sources, result.path)
+                self.policy.observe(seq, max_depth, result.num_accepted)
+                if seq.drafter is not None:
+                    seq.ctx.new_hidden = {layer: h[row, kept] for layer, h in hiddens.items()}
+                    if seq.drafter.wants_node_logits:
+                        seq.ctx.all_node_logits = logits[row, : len(draft) + 1]
+                    with seq.stats.timer("draft"):
+                        (seq.drafter.on_finished if seq.done else seq.drafter.on_verified)(result, seq.ctx)
         self._drop_finished()
         return seqs
 

@@ -120,6 +120,65 @@ def test_cpp_concurrent_callers_get_the_same_bits(cpp_backend):
     assert not mismatches
 
 
+def test_kernel_owns_threads_serialises_torch_and_keeps_the_kernels_count(cpp_backend):
+    """Inside the block torch's ops run on one thread and kernel calls on the count torch had;
+    nested and concurrent blocks restore it once, also after an exception."""
+    import threading
+
+    library = cpp_backend.library
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        assert library.threads() == 3
+        with library.kernel_owns_threads():
+            assert (torch.get_num_threads(), library.threads()) == (1, 3)
+            with library.kernel_owns_threads():
+                assert (torch.get_num_threads(), library.threads()) == (1, 3)
+            assert (torch.get_num_threads(), library.threads()) == (1, 3)
+        assert (torch.get_num_threads(), library.threads()) == (3, 3)
+        with pytest.raises(RuntimeError), library.kernel_owns_threads():
+            raise RuntimeError("a failing forward")
+        assert torch.get_num_threads() == 3
+        inside = threading.Barrier(2)
+        seen = []
+
+        def worker():
+            with library.kernel_owns_threads():
+                inside.wait()  # both blocks open at once
+                seen.append((torch.get_num_threads(), library.threads()))
+                inside.wait()
+
+        workers = [threading.Thread(target=worker) for _ in range(2)]
+        for thread in workers:
+            thread.start()
+        for thread in workers:
+            thread.join()
+        assert seen == [(1, 3), (1, 3)] and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_native_forward_runs_torch_serial_with_the_kernel_on_every_thread(tmp_path, cpp_backend):
+    """A float32 native target on the kernel hands the threads over for each forward (seen from a
+    block's forward hook) and gives them back; a bfloat16 one (torch's linears) keeps them."""
+    from conftest import make_tiny_hf_dir
+
+    hf_dir, _ = make_tiny_hf_dir(tmp_path / "tiny", "qwen2", seed=3, tie_word_embeddings=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for dtype, expected in (("float32", (1, 2)), ("bfloat16", (2, 2))):
+            target = load_native(hf_dir, dtype=dtype)
+            seen = []
+            target.model.model.layers[0].register_forward_hook(
+                lambda *_: seen.append((torch.get_num_threads(), cpp_backend.library.threads())))
+            _forward_rows(target, list(range(5, 15)), 0, 10, target.new_cache(1, 16))
+            assert seen == [expected], dtype
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_cpp_matches_f_linear(cpp_backend_per_isa, shape, with_bias):

@@ -146,7 +146,7 @@ class CppSkinnyLinear(_CompiledBackend):
             return F.linear(x, weight, bias)
         if not x.is_contiguous():
             x = x.contiguous()
-        return self.library.linear_f32(x, weight, bias, torch.get_num_threads())  # [..., N]
+        return self.library.linear_f32(x, weight, bias, self.library.threads())  # [..., N]
 
     @staticmethod
     def _kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -216,7 +216,7 @@ class Int8SkinnyLinear(_CompiledBackend):
         if not x.is_contiguous():
             x = x.contiguous()
         quantized, scale = self.quantized(weight)
-        return self.library.linear_int8(x, quantized, scale, bias, torch.get_num_threads())  # [..., N]
+        return self.library.linear_int8(x, quantized, scale, bias, self.library.threads())  # [..., N]
 
 
 BACKENDS = {"cpp": CppSkinnyLinear, "int8": Int8SkinnyLinear, "torch": TorchLinear, "rowwise": RowwiseTorchLinear}

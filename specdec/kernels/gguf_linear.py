@@ -133,8 +133,9 @@ class GGUFLinear(nn.Module):
         ):  # fmt: skip
             if not x.is_contiguous():
                 x = x.contiguous()
-            kernel = self.backend.library.linear_gguf_a8 if self.activations == "int8" else self.backend.library.linear_gguf
-            return kernel(x, self.weight, self.ggml_type, bias, torch.get_num_threads())
+            library = self.backend.library
+            kernel = library.linear_gguf_a8 if self.activations == "int8" else library.linear_gguf
+            return kernel(x, self.weight, self.ggml_type, bias, library.threads())
         # other dtypes, autograd, empty or mis-shaped input: F.linear on a temporary dense copy
         # (fp32 activations also in int8 mode: autograd through the a8 rounding has no use)
         weight = self.fp32_weight().to(x.dtype)

@@ -15,6 +15,7 @@ new tokens always see all cached tokens. Hidden-layer indices follow transformer
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -50,6 +51,12 @@ class Target(ABC):
 
     @abstractmethod
     def forward(self, tokens, positions, cache, attn_mask=None, hidden_layers=()): ...
+
+    def kernel_owns_threads(self):
+        """A context for a run of forwards and the work between them (a decoding step): where the
+        target's linears run in the compiled kernel, torch's own ops run on one thread inside it
+        (`SkinnyGemmLibrary.kernel_owns_threads`); elsewhere nothing changes."""
+        return nullcontext()
 
     # ---- sizes (one rule for every entry point: CLI, API, server, bench, training data) ----
 

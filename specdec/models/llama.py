@@ -275,6 +275,7 @@ class NativeTarget(Target):
         attn = model.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.linear_backend = "torch"  # set by load_native when a kernel is swapped in
+        self.kernel_library = None  # the compiled kernel (SkinnyGemmLibrary) when load_native found one
         self.weights = "fp32"  # "gguf" / "gguf-a8" when load_native kept GGUF blocks; "fp32": dense `dtype` weights
 
     def new_cache(self, batch_size: int = 1, max_len: int = 2048, num_layers: int | None = None,
@@ -286,10 +287,14 @@ class NativeTarget(Target):
     skips_padding = True  # forward(..., token_valid=) computes only the real tokens' rows
     selects_logits = True  # forward(..., logits_at=) runs the LM head on one row per batch row
 
+    def kernel_owns_threads(self):
+        return super().kernel_owns_threads() if self.kernel_library is None else self.kernel_library.kernel_owns_threads()
+
     def forward(self, tokens, positions, cache, attn_mask=None, hidden_layers=(), layer_ids=None, token_valid=None,
                 logits_at=None, lm_head=None):
-        return self.model(tokens, positions, cache, attn_mask, hidden_layers, layer_ids, token_valid=token_valid,
-                          logits_at=logits_at, lm_head=lm_head)
+        with self.kernel_owns_threads():
+            return self.model(tokens, positions, cache, attn_mask, hidden_layers, layer_ids, token_valid=token_valid,
+                              logits_at=logits_at, lm_head=lm_head)
 
 
 WEIGHT_FORMATS = ("gguf", "gguf-a8", "fp32")
@@ -369,6 +374,8 @@ def load_native(
     display = name or (read_marker(model_dir) or {}).get("name") or model_dir.name
     target = NativeTarget(model, tokenizer, display, model_dir, gen_cfg)
     target.linear_backend = linear_info["backend"]
+    if torch_dtype == torch.float32:  # the kernel computes fp32 only: other dtypes' linears are torch's
+        target.kernel_library = getattr(backend.backend, "library", None)
     target.weights = weights
     return target
 
