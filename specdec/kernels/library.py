@@ -114,10 +114,10 @@ class SkinnyGemmLibrary:
 
         Why: between a forward's kernel calls torch runs norms, SiLU and residual adds on a few
         rows. With a second thread each op pays an OpenMP wake, and while the kernel's pool worker
-        spins for the next call that OpenMP thread waits for a core. On 2 cores (1.5B, gguf-a8)
-        this took the 1-token forward from 62 to 54 ms, 4 tokens from 93 to 69 and 8 from 161 to
-        122 ms; a 512-token prefill got faster too (5.8 -> 5.3 s). Nested and concurrent blocks
-        share one hand-over (the first entry saves torch's count, the last exit restores it)."""
+        spins for the next call that OpenMP thread waits for a core (docs/performance.md,
+        "Threads": 11-21 ms of a 1.5B forward on 2 cores). torch's thread count is process-wide,
+        so nested and concurrent blocks share one hand-over: the first entry saves it, the last
+        exit restores it."""
         with self._threads_lock:
             if self._owners == 0:
                 self._kernel_threads = torch.get_num_threads()
