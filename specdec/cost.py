@@ -153,6 +153,11 @@ def cost_key(target, prefix_len: int = 64, clock: str = "wall") -> dict:
     if library is not None:
         # the build (source + flags + compiler digest): a table timed on an older kernel is stale
         key["kernel"] = Path(library.path).stem
+        key["threads"] = library.threads()  # the kernel's count, also inside kernel_owns_threads
+        if getattr(target, "kernel_library", None) is not None:
+            # its forwards run torch's ops on one thread (Target.kernel_owns_threads): 11-21 ms less
+            # per 1.5B forward than the tables timed with torch's ops on every thread
+            key["torch_ops"] = "one thread"
         if key["weights"] == "gguf-a8" and library.amx:
             key["amx"] = True  # multi-row int8 K-quant linears on AMX tiles: another T(k) (same logits)
     if device.type == "cuda" and torch.cuda.is_available():

@@ -451,3 +451,32 @@ def test_cpu_clock_tables_are_cached_apart_from_wall_clock_ones(tmp_path, monkey
     assert default_cache_path(wall.key) != default_cache_path(cpu.key)
     with pytest.raises(ValueError, match="clock must be one of wall, cpu"):
         measure_cost_table(target, ks=(1,), prefix_len=8, repeats=1, progress=False, clock="gpu")
+
+
+def test_a_kernel_targets_key_names_its_threads_and_serial_torch_ops(tmp_path):
+    """Tables of a target on the compiled kernel are keyed by the kernel's thread count (the same
+    inside a decoding step, where torch runs on one thread) and by torch's ops running serially, so a
+    table timed before that hand-over is not reused; a target on torch's linears keeps its key."""
+    from conftest import make_tiny_hf_dir
+
+    from specdec.cost import cost_key
+    from specdec.kernels import KernelUnavailable, load_library
+    from specdec.models.llama import load_native
+
+    try:
+        load_library()
+    except KernelUnavailable as exc:
+        pytest.skip(f"compiled kernel unavailable here: {exc}")
+    hf_dir, _ = make_tiny_hf_dir(tmp_path / "tiny", "llama", seed=1)
+    on_kernel, on_torch = load_native(hf_dir, linear="cpp"), load_native(hf_dir, linear="torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        outside = cost_key(on_kernel)
+        with on_kernel.kernel_owns_threads():
+            assert torch.get_num_threads() == 1
+            assert cost_key(on_kernel) == outside
+        assert outside["threads"] == 2 and outside["torch_ops"] == "one thread"
+        assert "torch_ops" not in cost_key(on_torch) and cost_key(on_torch)["threads"] == 2
+    finally:
+        torch.set_num_threads(threads)
