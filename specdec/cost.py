@@ -120,18 +120,6 @@ def _target_device(target) -> torch.device:
     return torch.device(getattr(target, "device", "cpu"))
 
 
-def _kernel_library(target):
-    """The compiled kernel library the target's linears run on (specdec.kernels), or None."""
-    model = getattr(target, "model", None)
-    if not isinstance(model, torch.nn.Module):
-        return None
-    for module in model.modules():
-        library = getattr(getattr(module, "backend", None), "library", None)
-        if library is not None and hasattr(library, "path"):
-            return library
-    return None
-
-
 def cost_key(target, prefix_len: int = 64, clock: str = "wall") -> dict:
     """What a measured table depends on: model, device, dtype, threads, torch, machine (, clock)."""
     device = _target_device(target)
@@ -149,15 +137,14 @@ def cost_key(target, prefix_len: int = 64, clock: str = "wall") -> dict:
         # GGUF blocks stream ~6x fewer bytes than fp32 weights: a table is per weight format
         "weights": str(getattr(target, "weights", "fp32")),
     }
-    library = _kernel_library(target)
+    library = getattr(target, "kernel_library", None)  # the compiled kernel its linears run on, or None
     if library is not None:
         # the build (source + flags + compiler digest): a table timed on an older kernel is stale
         key["kernel"] = Path(library.path).stem
         key["threads"] = library.threads()  # the kernel's count, also inside kernel_owns_threads
-        if getattr(target, "kernel_library", None) is not None:
-            # its forwards run torch's ops on one thread (Target.kernel_owns_threads): 11-21 ms less
-            # per 1.5B forward than the tables timed with torch's ops on every thread
-            key["torch_ops"] = "one thread"
+        # its forwards run torch's ops on one thread (Target.kernel_owns_threads): 11-21 ms less per
+        # 1.5B forward than the tables timed with torch's ops on every thread
+        key["torch_ops"] = "one thread"
         if key["weights"] == "gguf-a8" and library.amx:
             key["amx"] = True  # multi-row int8 K-quant linears on AMX tiles: another T(k) (same logits)
     if device.type == "cuda" and torch.cuda.is_available():
