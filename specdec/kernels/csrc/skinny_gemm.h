@@ -406,16 +406,24 @@ inline void k_quant_scales(const uint8_t* b, SubBlockScales& s) {
 // fp16 super-block scales come once per 256 weights (activations quantized per 256, as q8_K).
 struct KQuantA8Scales {
   float d, dmin;
-  alignas(32) int16_t sc[16];  // per 32 weights (Q4_K, Q5_K: first 8) or per 16 (Q6_K)
+  alignas(32) int16_t sc[16];  // per 32 weights (Q4_K, Q5_K: first 8, then the 8 m) or per 16 (Q6_K)
   alignas(16) int16_t m[8];    // per 32 weights (Q4_K, Q5_K)
 };
 inline void k_quant_a8_scales(const uint8_t* b, KQuantA8Scales& s) {
-  s.d = fp16_to_fp32(b), s.dmin = fp16_to_fp32(b + 2);
-  uint32_t sc[2], m[2];
-  k_quant_6bit_bytes(b + 4, sc, m);
-  _mm256_store_si256((__m256i*)s.sc, _mm256_castsi128_si256(k_quant_6bit_epi16(sc)));  // lanes 8-15 unused; one
-  // 32-byte store so that the 32-byte loads of the scales forward from it (two halves would stall)
-  _mm_store_si128((__m128i*)s.m, k_quant_6bit_epi16(m));
+  // k_quant_6bit_bytes on the block's first 16 bytes in one 128-bit register (a verify tile decodes
+  // the scales of every block it touches: the scalar unpacking was ~a tenth of a 4-row tile's time)
+  const __m128i head = _mm_loadu_si128((const __m128i*)b);  // d, dmin | lo | mid | hi (32-bit words)
+  const __m128i lo_mid = _mm_shuffle_epi32(head, _MM_SHUFFLE(2, 1, 2, 1));
+  const __m128i hi_hi4 = _mm_srlv_epi32(_mm_shuffle_epi32(head, _MM_SHUFFLE(3, 3, 3, 3)), _mm_setr_epi32(0, 4, 0, 4));
+  const __m128i low6 = _mm_and_si128(lo_mid, _mm_set1_epi8(0x3f));  // sc 0-3 | m 0-3
+  const __m128i high6 = _mm_or_si128(_mm_and_si128(hi_hi4, _mm_set1_epi8(0x0f)),
+                                     _mm_and_si128(_mm_srli_epi32(lo_mid, 2), _mm_set1_epi8(0x30)));  // sc 4-7 | m 4-7
+  // int16 lanes 0-7 = sc, 8-15 = m: one 32-byte store, so that the 32-byte loads of the scales
+  // forward from it (two halves would stall)
+  const __m256i sc_m = _mm256_cvtepu8_epi16(_mm_unpacklo_epi32(low6, high6));
+  _mm256_store_si256((__m256i*)s.sc, sc_m);
+  _mm_store_si128((__m128i*)s.m, _mm256_extracti128_si256(sc_m, 1));
+  _mm_storel_pi((__m64*)&s.d, _mm_cvtph_ps(head));  // d, dmin (fp16 -> fp32 is exact)
 }
 
 struct Q4_KFormat {  // d, dmin fp16, scales[12], qs[128]: sub-block 2i / 2i+1 = low / high nibbles of qs[32i..32i+31]
@@ -681,11 +689,18 @@ void run_tiles(const LinearJob& job, int64_t tile_begin, int64_t tile_end) {
         args.k_begin = k0;
         args.k_end = std::min(job.K, k0 + k_chunk);
         if constexpr (Dec::kAvailable) {
-          if (decode_once)
+          if (decode_once) {
             for (int c = 0; c < nr; ++c)
               for (int64_t kb = k0; kb < args.k_end; kb += Fmt::kBlock)
                 Dec::decode(w + c * job.row_bytes + kb / Fmt::kBlock * Fmt::kBytes,
                             scratch + c * scratch_ldw + kb / Fmt::kBlock * Dec::kBlockBytes);
+            // the same K range of the tile kPrefetchTiles ahead: the decode reads each weight once,
+            // so without this its stream stalls on memory between the compute-bound row blocks
+            const int64_t ahead = t + kPrefetchTiles < tile_end ? std::min<int64_t>(kColsPerTile, job.N - (j0 + kPrefetchTiles * kColsPerTile)) : 0;
+            for (int c = 0; c < ahead; ++c)
+                for (int64_t line = k0 / Fmt::kBlock * Fmt::kBytes / 64 * 64; line < args.k_end / Fmt::kBlock * Fmt::kBytes; line += 64)
+                  _mm_prefetch((const char*)(w + (kPrefetchTiles * kColsPerTile + c) * job.row_bytes + line), _MM_HINT_T1);
+          }
         }
         for (int64_t block = 0; block < row_blocks; ++block) {
           const int64_t row = p0 + block * kMaxRowsPerTile;
