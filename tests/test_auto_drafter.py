@@ -18,12 +18,12 @@ MAX_NEW = 24
 
 def test_choice_follows_the_measured_rates_and_explores_the_stalest_arm():
     auto = AutoDrafter(None, methods="pld,suffix", warmup=2, explore_every=4)
-    assert [arm.name for arm in auto.arms] == ["plain", "pld", "suffix"]
+    assert [arm.name for arm in auto.arms] == ["pld", "suffix", "plain"]
     picks = []
-    for step in range(6):  # warm-up: each arm `warmup` steps, plain first
+    for step in range(6):  # warm-up: each arm `warmup` steps, plain last
         auto.step = step
         picks.append(auto.choose().name)
-    assert picks == ["plain", "plain", "pld", "pld", "suffix", "suffix"]
+    assert picks == ["pld", "pld", "suffix", "suffix", "plain", "plain"]
     rates = {"plain": (10.0, 100.0), "pld": (30.0, 110.0), "suffix": (12.0, 100.0)}  # (tokens, ms)
     for step, arm in enumerate(auto.arms):
         arm.earned = Earnings(*rates[arm.name], 1.0)
@@ -31,8 +31,33 @@ def test_choice_follows_the_measured_rates_and_explores_the_stalest_arm():
     auto.step = 7
     assert auto.choose().name == "pld"  # 0.27 tokens/ms beats 0.12 and 0.1
     auto.step = 8  # an exploring step: the arm run longest ago
-    assert auto.choose().name == "suffix"
+    assert auto.choose().name == "plain"
 
+
+
+def test_an_empty_draft_is_a_plain_step_that_measures_plain():
+    """A step whose arm drafted nothing (no match) earns for plain too, so plain's warm-up is skipped
+    once such steps measured it; a step that drafted earns for its arm alone."""
+    from specdec.drafters.base import DraftContext
+    from specdec.sampling import SamplingParams
+    from specdec.verify import VerifyResult
+
+    auto = AutoDrafter(None, methods="pld", warmup=2).for_sequence()
+    auto.begin([1, 2, 3], None)
+    pld, plain = auto.arms
+    assert [arm.name for arm in auto.warming] == ["pld", "plain"]
+    # pld's warm-up (no match twice; its first step is not timed), then plain's slots, then a match
+    for step, tokens in enumerate(([1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4, 1, 2])):
+        ctx = DraftContext(tokens=tokens, num_prompt_tokens=3, sampling=SamplingParams())
+        draft = auto.propose(ctx, 3)
+        # step 2 is plain's warm-up slot, skipped: the timed empty step 1 measured plain already
+        assert auto.running[0] is pld and len(draft) == (3 if step == 2 else 0)
+        auto.on_verified(VerifyResult(tokens=[0] * (len(draft) + 1), num_accepted=len(draft), path=list(range(len(draft)))), ctx)
+        if step == 1:
+            assert plain.runs == 0 and plain.earned.steps == 1 and plain.earned.tokens == 1 and plain.population.steps == 1
+    # its first step is not timed; decayed sums: the older step weighs `decay`
+    assert pld.runs == 3 and pld.earned.tokens == pytest.approx(auto.decay * 1 + 4) and pld.earned.steps == pytest.approx(auto.decay + 1)
+    assert plain.earned.steps == 1  # the step that drafted earned for pld alone
 
 def test_every_drafter_exists_once_per_request_and_the_hybrid_drives_its_parts():
     """The hybrid arm drafts from the very suffix / pld objects the single-method arms are, in the
@@ -43,9 +68,9 @@ def test_every_drafter_exists_once_per_request_and_the_hybrid_drives_its_parts()
         assert arms["hybrid"].retrieval == [arms["suffix"], arms["pld"]]
         assert drafter.parts() == [arms["hybrid"]]
     first, second = auto.for_sequence(), auto.for_sequence()
-    assert first.arms[1].drafter is not second.arms[1].drafter  # each request its own trie
+    assert first.arms[0].drafter is not second.arms[0].drafter  # each request its own trie
     alone = AutoDrafter(None, methods="pld,hybrid")  # suffix is no arm: the hybrid builds its own
-    pld, hybrid = alone.arms[1].drafter, alone.arms[2].drafter
+    pld, hybrid = alone.arms[0].drafter, alone.arms[1].drafter
     assert alone.parts() == [hybrid] and hybrid.retrieval[1] is pld and hybrid.retrieval[0].name == "suffix"
 
 
@@ -57,10 +82,10 @@ def test_a_new_request_starts_from_the_population_the_copies_share():
     first, second = auto.for_sequence(), auto.for_sequence()  # a batch of two
     for seq in (first, second):
         seq.begin([1, 2, 3, 1, 2], None)
-        assert [arm.name for arm in seq.warming] == ["plain", "pld", "suffix"]  # nothing measured yet
-    plain, pld, _ = first.arms
+        assert [arm.name for arm in seq.warming] == ["pld", "suffix", "plain"]  # nothing measured yet
+    pld, _, plain = first.arms
     plain.population.add(1, 10.0, auto.population_decay)  # 0.1 tokens / ms
-    second.arms[1].population.add(6, 20.0, auto.population_decay)  # 0.3 tokens / ms
+    second.arms[0].population.add(6, 20.0, auto.population_decay)  # 0.3 tokens / ms
     for index, arm in enumerate(auto.arms):
         assert arm.population is first.arms[index].population is second.arms[index].population
         assert arm.population is not other.arms[index].population and other.arms[index].population.steps == 0
@@ -68,10 +93,10 @@ def test_a_new_request_starts_from_the_population_the_copies_share():
     later = auto.for_sequence()
     later.begin([1, 2, 3, 1, 2], None)
     assert [arm.name for arm in later.warming] == ["suffix"]  # only the unmeasured arm warms up
-    later.arms[2].earned = Earnings(1.0, 10.0, 1.0)  # as its warm-up measured it
+    later.arms[1].earned = Earnings(1.0, 10.0, 1.0)  # as its warm-up measured it
     assert [later.choose().name for later.step in range(3)] == ["suffix", "suffix", "pld"]
-    assert later.arms[1].rate() == pytest.approx(0.3) and later.arms[1].earned.steps == 1.0  # weighted as one step
-    suffix = later.arms[2]
+    assert later.arms[0].rate() == pytest.approx(0.3) and later.arms[0].earned.steps == 1.0  # weighted as one step
+    suffix = later.arms[1]
     suffix.population.add(2, 10.0, auto.population_decay)
     fresh_start = auto.for_sequence()
     fresh_start.begin([1, 2, 3, 1, 2], None)

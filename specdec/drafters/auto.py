@@ -13,10 +13,13 @@ tokens the step emitted (its accepted draft tokens + the bonus) and the step's w
 start of its drafting to the drafter's `on_verified` (drafting + the verify forward + commit: the
 step cost on this machine, at this batch size), both as exponentially decayed sums (`decay` per
 step the arm runs); its rate is tokens / ms. An arm's first step in a request is not timed (a draft
-model prefills the prompt then). The choice: every arm runs `warmup` steps in turn (plain first
-unless `methods` lists `plain` elsewhere), then the arm with the best rate runs, except that every
-`explore_every`-th step the arm measured longest ago runs once, so a method whose fortunes change
-(a repetitive stretch for retrieval) is found again.
+model prefills the prompt then). A step whose arm drafted nothing (retrieval found no match, or the
+budget policy gave it no nodes) is a plain decoding step, so it is plain's measurement too: plain
+earns it as well, and needs no steps of its own to be measured where the others often draft nothing.
+The choice: every arm runs `warmup` steps in turn (plain last unless `methods` lists `plain`
+elsewhere, and skipped if the steps before it already measured it), then the arm with the best rate
+runs, except that every `explore_every`-th step the arm measured longest ago runs once, so a method
+whose fortunes change (a repetitive stretch for retrieval) is found again.
 
 Across requests (the way AutoBudget's population prior learns across sequences): every timed step
 also feeds the arm's population earnings (decayed by `population_decay`), one object that the
@@ -106,7 +109,7 @@ class AutoDrafter(Drafter):
 
     Options:
         methods: drafters to choose among, separated by `,` or `+` (hybrid = suffix + pld + the
-            model), in warm-up order; plain decoding is always an arm (first unless listed).
+            model), in warm-up order; plain decoding is always an arm (last unless listed).
         model: a model drafter (small-model, eagle3, dspark, ...) for the hybrid and as an arm of
             its own; model_options: its options (KEY=VALUE,... or a dict).
         warmup: steps each arm without a population estimate runs in turn at the start.
@@ -125,7 +128,7 @@ class AutoDrafter(Drafter):
         names = [name.strip() for name in re.split("[,+]", methods) if name.strip()] if isinstance(methods, str) else []
         if not names or len(set(names)) != len(names) or "auto" in names or names == [PLAIN]:
             raise ValueError(f"methods must be distinct drafter names (not auto), got {methods!r}")
-        names = names if PLAIN in names else [PLAIN, *names]  # plain decoding is always an arm (first by default)
+        names = names if PLAIN in names else [*names, PLAIN]  # plain decoding is always an arm (last by default)
         if model_options and not model:
             raise ValueError("model_options given without a model")
         self.warmup = check_int("warmup", warmup, 1, 1000)
@@ -157,7 +160,13 @@ class AutoDrafter(Drafter):
         self.step = 0
         # the arms that warm up: those no earlier step of this drafter measured
         self.warming = [arm for arm in self.arms if not arm.population.steps]
-        self.running: tuple[ArmRecord, float] | None = None  # the arm drafting this step, its start (perf_counter s)
+        # the arm drafting this step, its start (perf_counter s), and whether it drafted any node
+        self.running: tuple[ArmRecord, float, bool] | None = None
+
+    @property
+    def plain(self) -> ArmRecord:
+        """The arm that drafts nothing (plain decoding)."""
+        return next(arm for arm in self.arms if arm.drafter is None)
 
     def parts(self) -> list[Drafter]:
         """The arms' drafters no other arm's drafter is built of: the ones this drafter drives."""
@@ -188,7 +197,9 @@ class AutoDrafter(Drafter):
     def choose(self) -> ArmRecord:
         """This step's arm, from earlier steps' measurements only."""
         if self.step < self.warmup * len(self.warming):
-            return self.warming[self.step // self.warmup]
+            arm = self.warming[self.step // self.warmup]
+            if arm.drafter is not None or not arm.earned.steps:  # plain: unless empty drafts measured it
+                return arm
         if self.step % self.explore_every == 0 and self.step:  # step 0 without warm-up: the best, as the population found
             return min(self.arms, key=lambda arm: arm.last_run)
         return max(self.arms, key=lambda arm: arm.rate())
@@ -196,11 +207,12 @@ class AutoDrafter(Drafter):
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
         start = time.perf_counter()
         arm = self.choose()
-        self.running = (arm, start)
+        self.running = (arm, start, False)
         arm.last_run, self.step = self.step, self.step + 1
         if arm.drafter is None or budget <= 0:
             return Draft.empty()
         draft = arm.drafter.propose(ctx, min(budget, arm.drafter.cost.block))
+        self.running = (arm, start, len(draft) > 0)
         if draft.sources is not None:
             credited = tuple(f"{arm.name}:{source}" for source in draft.sources)
         else:
@@ -209,12 +221,14 @@ class AutoDrafter(Drafter):
 
     def on_verified(self, result, ctx: DraftContext) -> None:
         if self.running is not None:
-            arm, start = self.running
+            arm, start, drafted = self.running
             self.running = None
             if arm.runs:  # an arm's first step includes one-off work (a draft model's prompt prefill)
                 ms = 1000.0 * (time.perf_counter() - start)
-                arm.earned.add(len(result.tokens), ms, self.decay)
-                arm.population.add(len(result.tokens), ms, self.population_decay)
+                # an empty draft was a plain decoding step: plain's measurement as well as the arm's
+                for earner in (arm,) if drafted or arm.drafter is None else (arm, self.plain):
+                    earner.earned.add(len(result.tokens), ms, self.decay)
+                    earner.population.add(len(result.tokens), ms, self.population_decay)
             arm.runs += 1
         for drafter in self.parts():
             drafter.on_verified(result, ctx)
