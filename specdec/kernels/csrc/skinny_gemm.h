@@ -227,7 +227,9 @@ inline __m512i quad_scale_index(int quad, bool per16) {
 // ---- decode once per row panel (Decoded, run_tiles): the row blocks (of MR rows) a panel needs
 // before decoding each weight block once into an L1 scratch, for all its blocks to reuse, pays
 // for the scratch stores and loads (below it, each block decodes the weights itself).
-constexpr int64_t kDecodeOnceMinBlocks = 4;  // exact mode (both builds); a8 on AVX2
+// Exact mode (both builds) and a8 on AVX2: from 2 blocks (5+ rows), measured with the decode's
+// prefetch (run_tiles): 1.5B T(5) / T(8) exact 199 / 228 -> 181 / 223 ms, a8 AVX2 146 / 208 -> 142 / 187
+constexpr int64_t kDecodeOnceMinBlocks = 2;
 // a8 on the VNNI build, per format (kA8DecodeOnceMinBlocks): from 2 blocks (5+ rows) where two
 // blocks' savings outweigh one decode. Without the scratch every row block unpacks the weight
 // blocks again (nibbles, 5th bits, scales); on the scratch the 32-weight formats also run two
@@ -526,9 +528,13 @@ struct Q6_KFormat {  // ql[128], qh[64], scales int8[16] (one per 16 weights), d
   }
   // a8: sub-block `sub` = weights 32 sub .. + 31 (h = sub / 4, r = 32 (sub % 4)); an int8 scale per 16
   static constexpr int kA8Block = 256;
-  // decode once from 4 row blocks on either build: its scratch saves the VNNI tile less (556 -> 468
-  // instructions per super-block x 4 columns, the decode 212), so 2 blocks would cost more
+#ifdef SG_A8_ZMM
+  // VNNI: decode once from 4 row blocks: its scratch saves the tile less (556 -> 468 instructions per
+  // super-block x 4 columns, the decode 212), and 2 blocks measured slower (1.5B T(8) 121 -> 124 ms)
+  static constexpr int64_t kA8DecodeOnceMinBlocks = 4;
+#else
   static constexpr int64_t kA8DecodeOnceMinBlocks = kDecodeOnceMinBlocks;
+#endif
   static constexpr bool kSigned = true, kHasMin = false;
   static constexpr int kQuantOffset = 32;  // quants32 + 32 = the 6-bit quant, 0..63
   using A8Scales = KQuantA8Scales;
