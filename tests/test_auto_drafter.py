@@ -10,7 +10,7 @@ from test_sampled_tree import FIRST, LEAD_IN
 
 from specdec import generate, generate_batch, make_drafter
 from specdec.drafters import drafter_options
-from specdec.drafters.auto import AutoDrafter, Earnings
+from specdec.drafters.auto import AutoDrafter, Earnings, drafts_free
 from specdec.stats import SpecStats
 
 MAX_NEW = 24
@@ -20,10 +20,10 @@ def test_choice_follows_the_measured_rates_and_explores_the_stalest_arm():
     auto = AutoDrafter(None, methods="pld,suffix", warmup=2, explore_every=4)
     assert [arm.name for arm in auto.arms] == ["pld", "suffix", "plain"]
     picks = []
-    for step in range(6):  # warm-up: each arm `warmup` steps, plain last
+    for step in range(6):  # warm-up: each arm `warmup` steps; plain none (free arms: see below)
         auto.step = step
         picks.append(auto.choose().name)
-    assert picks == ["pld", "pld", "suffix", "suffix", "plain", "plain"]
+    assert picks == ["pld", "pld", "suffix", "suffix", "pld", "pld"]
     rates = {"plain": (10.0, 100.0), "pld": (30.0, 110.0), "suffix": (12.0, 100.0)}  # (tokens, ms)
     for step, arm in enumerate(auto.arms):
         arm.earned = Earnings(*rates[arm.name], 1.0)
@@ -34,6 +34,26 @@ def test_choice_follows_the_measured_rates_and_explores_the_stalest_arm():
     assert auto.choose().name == "plain"
 
 
+
+
+def test_plain_runs_only_where_no_arm_drafts_free(tiny_target):
+    """Retrieval drafts nothing where it finds nothing (a plain step) and the budget policy sizes the
+    rest, so plain is chosen only over arms that pay to draft, and warms up only where no arm is free."""
+    auto = AutoDrafter(tiny_target, methods="random,pld", warmup=1)
+    paid, pld, plain = auto.arms
+    assert [drafts_free(arm.drafter) for arm in (paid, pld)] == [False, True]
+    assert [auto.choose().name for auto.step in range(3)] == ["random", "pld", "random"]  # plain's slot skipped
+    for arm, (tokens, ms) in ((paid, (10, 100)), (pld, (11, 100)), (plain, (30, 100))):
+        arm.earned = Earnings(tokens, ms, 1.0)
+    auto.step = 5
+    assert auto.choose() is pld  # plain earns most, but pld drafts free
+    alone = AutoDrafter(tiny_target, methods="random", warmup=1)
+    paid, plain = alone.arms
+    assert [alone.choose().name for alone.step in range(2)] == ["random", "plain"]
+    paid.earned, plain.earned = Earnings(10, 100, 1.0), Earnings(30, 100, 1.0)
+    alone.step = 5
+    assert alone.choose() is plain
+    assert drafts_free(AutoDrafter(None, methods="hybrid").arms[0].drafter)
 
 def test_an_empty_draft_is_a_plain_step_that_measures_plain():
     """A step whose arm drafted nothing (no match) earns for plain too, so plain's warm-up is skipped

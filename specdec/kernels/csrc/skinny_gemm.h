@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
@@ -412,8 +413,8 @@ struct KQuantA8Scales {
   alignas(16) int16_t m[8];    // per 32 weights (Q4_K, Q5_K)
 };
 inline void k_quant_a8_scales(const uint8_t* b, KQuantA8Scales& s) {
-  // k_quant_6bit_bytes on the block's first 16 bytes in one 128-bit register (a verify tile decodes
-  // the scales of every block it touches: the scalar unpacking was ~a tenth of a 4-row tile's time)
+  // k_quant_6bit_bytes on the block's first 16 bytes in one 128-bit register (every tile on the raw
+  // blocks unpacks the scales of each block it touches: scalar, that was a fifth of a 1-row tile)
   const __m128i head = _mm_loadu_si128((const __m128i*)b);  // d, dmin | lo | mid | hi (32-bit words)
   const __m128i lo_mid = _mm_shuffle_epi32(head, _MM_SHUFFLE(2, 1, 2, 1));
   const __m128i hi_hi4 = _mm_srlv_epi32(_mm_shuffle_epi32(head, _MM_SHUFFLE(3, 3, 3, 3)), _mm_setr_epi32(0, 4, 0, 4));
@@ -425,6 +426,7 @@ inline void k_quant_a8_scales(const uint8_t* b, KQuantA8Scales& s) {
   const __m256i sc_m = _mm256_cvtepu8_epi16(_mm_unpacklo_epi32(low6, high6));
   _mm256_store_si256((__m256i*)s.sc, sc_m);
   _mm_store_si128((__m128i*)s.m, _mm256_extracti128_si256(sc_m, 1));
+  static_assert(offsetof(KQuantA8Scales, dmin) == offsetof(KQuantA8Scales, d) + sizeof(float), "d, dmin adjacent");
   _mm_storel_pi((__m64*)&s.d, _mm_cvtph_ps(head));  // d, dmin (fp16 -> fp32 is exact)
 }
 
