@@ -41,7 +41,7 @@ def test_plain_runs_only_where_no_arm_drafts_free(tiny_target):
     rest, so plain is chosen only over arms that pay to draft, and warms up only where no arm is free."""
     auto = AutoDrafter(tiny_target, methods="random,pld", warmup=1)
     paid, pld, plain = auto.arms
-    assert [drafts_free(arm.drafter) for arm in (paid, pld)] == [False, True]
+    assert [arm.free for arm in auto.arms] == [False, True, False]
     assert [auto.choose().name for auto.step in range(3)] == ["random", "pld", "random"]  # plain's slot skipped
     for arm, (tokens, ms) in ((paid, (10, 100)), (pld, (11, 100)), (plain, (30, 100))):
         arm.earned = Earnings(tokens, ms, 1.0)

@@ -92,6 +92,11 @@ class Earnings:
         return Earnings(self.tokens / self.steps, self.ms / self.steps, 1.0) if self.steps else Earnings()
 
 
+def drafts_free(drafter: Drafter) -> bool:
+    """Whether `drafter` drafts at no cost beyond the verify (retrieval, or a hybrid of retrieval alone)."""
+    return drafter.retrieval_source or (isinstance(drafter, HybridDrafter) and drafter.model is None)
+
+
 @dataclass
 class ArmRecord:
     """One method's measured earnings in this request, beside the population's: the decayed
@@ -107,10 +112,10 @@ class ArmRecord:
     def rate(self) -> float:
         return self.earned.rate()
 
-
-def drafts_free(drafter: Drafter) -> bool:
-    """Whether `drafter` drafts at no cost beyond the verify (retrieval, or a hybrid of retrieval alone)."""
-    return drafter.retrieval_source or (isinstance(drafter, HybridDrafter) and drafter.model is None)
+    @property
+    def free(self) -> bool:
+        """Whether this arm drafts at no cost beyond the verify (drafts_free); plain drafts nothing."""
+        return self.drafter is not None and drafts_free(self.drafter)
 
 
 @register_drafter
@@ -207,7 +212,7 @@ class AutoDrafter(Drafter):
 
     def choose(self) -> ArmRecord:
         """This step's arm, from earlier steps' measurements only."""
-        free = [arm for arm in self.arms if arm.drafter is not None and drafts_free(arm.drafter)]
+        free = [arm for arm in self.arms if arm.free]
         if self.step < self.warmup * len(self.warming):
             arm = self.warming[self.step // self.warmup]
             if arm.drafter is not None or not (arm.earned.steps or free):  # plain: only where no arm is free

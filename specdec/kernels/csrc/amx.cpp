@@ -120,7 +120,7 @@ template <typename Fmt>
 void amx_scales(const uint8_t* block, __m512i offsets, __mmask16 rows, AmxScales& s) {
   if constexpr (Fmt::kA8ScalePer16) {  // Q6_K: d at 208 (its sub-block scales are in the planes)
     s.d = fp16_lanes(_mm512_srli_epi32(gather_rows(block + 206, offsets, rows), 16));  // bytes 208, 209 (none past the block)
-  } else {  // Q4_K / Q5_K: d, dmin at 0, 2; 6-bit scales and mins in bytes 4-15 (k_quant_6bit_bytes, per lane)
+  } else {  // Q4_K / Q5_K: d, dmin at 0, 2; 6-bit scales and mins in bytes 4-15 (k_quant_6bit_epi16, per lane)
     const __m512i d_dmin = gather_rows(block, offsets, rows);
     const __m512i lo = gather_rows(block + 4, offsets, rows), mid = gather_rows(block + 8, offsets, rows),
                   hi = gather_rows(block + 12, offsets, rows);

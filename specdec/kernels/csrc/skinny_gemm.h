@@ -382,27 +382,25 @@ struct Q8_0Format {  // d fp16, qs int8[32]
 // Q4_K / Q5_K: 256 weights in 8 sub-blocks of 32, each with a 6-bit scale and min packed in 12 bytes.
 struct SubBlockScales { float d[8], dm[8]; };  // d * sc and dmin * m per sub-block
 
-// bytes 0-3: low 6 bits of sc 0-3; 4-7: of m 0-3; 8-11: low 4 bits of sc/m 4-7 (their high 2
-// bits are the top 2 of bytes 0-7). Four bytes at a time in 32-bit words: the 8 sc, then the 8 m.
-inline void k_quant_6bit_bytes(const uint8_t* q, uint32_t sc[2], uint32_t m[2]) {
-  uint32_t lo, mid, hi;  // bytes 0-3, 4-7, 8-11
-  std::memcpy(&lo, q, 4), std::memcpy(&mid, q + 4, 4), std::memcpy(&hi, q + 8, 4);
-  sc[0] = lo & 0x3f3f3f3fu;
-  m[0] = mid & 0x3f3f3f3fu;
-  sc[1] = (hi & 0x0f0f0f0fu) | ((lo >> 2) & 0x30303030u);
-  m[1] = ((hi >> 4) & 0x0f0f0f0fu) | ((mid >> 2) & 0x30303030u);
-}
-inline __m128i k_quant_6bit_epi16(const uint32_t v[2]) {  // 8 bytes -> 8 int16 lanes
-  return _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)v[1], (int)v[0]));
+// A K-quant block's first 16 bytes: d, dmin (fp16), then 12 bytes of 6-bit scales and mins: bytes
+// 0-3 the low 6 bits of sc 0-3, 4-7 of m 0-3, 8-11 the low 4 bits of sc / m 4-7 (their high 2 bits
+// are the top 2 of bytes 0-7). Unpacked in one 128-bit register, 32-bit words at a time (a tile on
+// the raw blocks unpacks every block it touches): int16 lanes 0-7 = sc, 8-15 = m.
+inline __m256i k_quant_6bit_epi16(__m128i head) {
+  const __m128i lo_mid = _mm_shuffle_epi32(head, _MM_SHUFFLE(2, 1, 2, 1));
+  const __m128i hi_hi4 = _mm_srlv_epi32(_mm_shuffle_epi32(head, _MM_SHUFFLE(3, 3, 3, 3)), _mm_setr_epi32(0, 4, 0, 4));
+  const __m128i low6 = _mm_and_si128(lo_mid, _mm_set1_epi8(0x3f));  // sc 0-3 | m 0-3
+  const __m128i high6 = _mm_or_si128(_mm_and_si128(hi_hi4, _mm_set1_epi8(0x0f)),
+                                     _mm_and_si128(_mm_srli_epi32(lo_mid, 2), _mm_set1_epi8(0x30)));  // sc 4-7 | m 4-7
+  return _mm256_cvtepu8_epi16(_mm_unpacklo_epi32(low6, high6));
 }
 
 inline void k_quant_scales(const uint8_t* b, SubBlockScales& s) {
-  uint32_t sc[2], m[2];
-  k_quant_6bit_bytes(b + 4, sc, m);
+  const __m256i sc_m = k_quant_6bit_epi16(_mm_loadu_si128((const __m128i*)b));
   // d * (float)sc per lane: the same single rounded product as the scalar expression
   const __m256 d = _mm256_set1_ps(fp16_to_fp32(b)), dmin = _mm256_set1_ps(fp16_to_fp32(b + 2));
-  _mm256_storeu_ps(s.d, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(k_quant_6bit_epi16(sc)))));
-  _mm256_storeu_ps(s.dm, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(k_quant_6bit_epi16(m)))));
+  _mm256_storeu_ps(s.d, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(sc_m)))));
+  _mm256_storeu_ps(s.dm, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(sc_m, 1)))));
 }
 
 // a8 mode, K-quants: the integer sub-block scales multiply the integer dot products (exact), the
@@ -413,17 +411,9 @@ struct KQuantA8Scales {
   alignas(16) int16_t m[8];    // per 32 weights (Q4_K, Q5_K)
 };
 inline void k_quant_a8_scales(const uint8_t* b, KQuantA8Scales& s) {
-  // k_quant_6bit_bytes on the block's first 16 bytes in one 128-bit register (every tile on the raw
-  // blocks unpacks the scales of each block it touches: scalar, that was a fifth of a 1-row tile)
-  const __m128i head = _mm_loadu_si128((const __m128i*)b);  // d, dmin | lo | mid | hi (32-bit words)
-  const __m128i lo_mid = _mm_shuffle_epi32(head, _MM_SHUFFLE(2, 1, 2, 1));
-  const __m128i hi_hi4 = _mm_srlv_epi32(_mm_shuffle_epi32(head, _MM_SHUFFLE(3, 3, 3, 3)), _mm_setr_epi32(0, 4, 0, 4));
-  const __m128i low6 = _mm_and_si128(lo_mid, _mm_set1_epi8(0x3f));  // sc 0-3 | m 0-3
-  const __m128i high6 = _mm_or_si128(_mm_and_si128(hi_hi4, _mm_set1_epi8(0x0f)),
-                                     _mm_and_si128(_mm_srli_epi32(lo_mid, 2), _mm_set1_epi8(0x30)));  // sc 4-7 | m 4-7
-  // int16 lanes 0-7 = sc, 8-15 = m: one 32-byte store, so that the 32-byte loads of the scales
-  // forward from it (two halves would stall)
-  const __m256i sc_m = _mm256_cvtepu8_epi16(_mm_unpacklo_epi32(low6, high6));
+  const __m128i head = _mm_loadu_si128((const __m128i*)b);
+  // one 32-byte store, so that the 32-byte loads of the scales forward from it (two halves would stall)
+  const __m256i sc_m = k_quant_6bit_epi16(head);
   _mm256_store_si256((__m256i*)s.sc, sc_m);
   _mm_store_si128((__m128i*)s.m, _mm256_extracti128_si256(sc_m, 1));
   static_assert(offsetof(KQuantA8Scales, dmin) == offsetof(KQuantA8Scales, d) + sizeof(float), "d, dmin adjacent");
