@@ -396,3 +396,39 @@ def test_sampled_eagle_trees_keep_the_target_distribution(counter, trained, kind
     results = generate_batch(counter, [prompt] * runs, drafter, max_new_tokens=4, sampling=sampling)
     assert sum(r.stats.accepted_tokens for r in results) > 0.1 * runs  # drafts were really tried and accepted
     assert min(token_marginal_pvalues(counter, prompt, results)) > 1e-3
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 512])
+def test_chunked_soft_cross_entropy_is_the_plain_form_with_its_gradients(chunk_rows):
+    """EAGLE-3's loss in row chunks (forward keeps per-row losses, backward recomputes each chunk):
+    values, top-1 and both gradients equal the plain [N, V'] computation; a wrong p is not."""
+    import torch.nn.functional as F
+
+    from specdec.heads.soft_ce import soft_cross_entropy
+
+    generator = torch.Generator().manual_seed(0)
+    rows, hidden, vocab = 37, 16, 50
+    readout = torch.randn(rows, hidden, generator=generator, requires_grad=True)
+    draft_weight = torch.randn(vocab, hidden, generator=generator).mul(0.5).requires_grad_()
+    target_top, target_rows = torch.randn(rows, hidden, generator=generator), torch.randn(vocab, hidden, generator=generator)
+    row_weights = torch.rand(rows, generator=generator)  # the trainer weighs rows by depth
+
+    def plain(top_rows):
+        target_probs = F.softmax(F.linear(target_top, top_rows), -1)
+        log_q = F.log_softmax(F.linear(readout, draft_weight), -1)
+        return -(target_probs * log_q).sum(-1), log_q.argmax(-1)
+
+    def gradients(per_row):
+        return torch.autograd.grad((per_row * row_weights).sum(), (readout, draft_weight))
+
+    expected, expected_top = plain(target_rows)
+    chunked, top = soft_cross_entropy(readout, draft_weight, target_top, target_rows, chunk_rows=chunk_rows)
+    torch.testing.assert_close(chunked, expected)
+    assert torch.equal(top, expected_top)
+    for got, want in zip(gradients(chunked), gradients(expected)):
+        torch.testing.assert_close(got, want)
+    wrong, _ = plain(target_rows.flip(0))  # p over the wrong ids
+    assert not torch.allclose(chunked, wrong, atol=1e-3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 products: close at bf16 precision
+        in_bf16, _ = soft_cross_entropy(readout, draft_weight, target_top, target_rows, chunk_rows=chunk_rows)
+    torch.testing.assert_close(in_bf16, expected, rtol=0.05, atol=0.05 * float(expected.abs().max()))

@@ -21,12 +21,12 @@ the module's previous output (trained unrolled, "training-time test").
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..checks import check_positive_int
 from ..models.llama import MLP, Attention, Block, RMSNorm, block_flags, packed_linear
 from .modules import ChainedModule, register_head_type
+from .soft_ce import soft_cross_entropy
 from .target_parts import FrozenTargetParts, dense_state_dict
 
 DEFAULT_EAGLE3_VOCAB = 32000  # draft vocabulary size of the published EAGLE-3 drafters
@@ -248,10 +248,5 @@ class Eagle3Module(ChainedModule):
         (its logits at those ids, softmaxed), and whether the draft's top token is the label."""
         if target_top is None:
             raise ValueError("eagle3 training needs the target's top-layer hidden states in the batch (its distribution)")
-        ids = self.draft_ids
-        with torch.no_grad():
-            target_rows = self.target_rows(parts)  # [V', H]
-            target_probs = F.softmax(F.linear(target_top.to(target_rows.dtype), target_rows).float(), -1)
-        log_q = F.log_softmax(self.lm_head(readout).float(), dim=-1)  # [N, V']
-        per_row = -(target_probs * log_q).sum(-1)  # [N]
-        return per_row, ids[log_q.argmax(-1)] == labels
+        per_row, top = soft_cross_entropy(readout, self.lm_head.weight, target_top, self.target_rows(parts))  # [N], [N]
+        return per_row, self.draft_ids[top] == labels
