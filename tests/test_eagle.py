@@ -400,8 +400,9 @@ def test_sampled_eagle_trees_keep_the_target_distribution(counter, trained, kind
 
 @pytest.mark.parametrize("chunk_rows", [1, 7, 512])
 def test_chunked_soft_cross_entropy_is_the_plain_form_with_its_gradients(chunk_rows):
-    """EAGLE-3's loss in row chunks (forward keeps per-row losses, backward recomputes each chunk):
-    values, top-1 and both gradients equal the plain [N, V'] computation; a wrong p is not."""
+    """EAGLE-3's loss in row chunks (forward keeps per-row losses, backward recomputes each chunk, p once
+    per distinct target state): values, top-1 and both gradients equal the plain [N, V'] computation;
+    a wrong p is not."""
     import torch.nn.functional as F
 
     from specdec.heads.soft_ce import soft_cross_entropy
@@ -410,7 +411,10 @@ def test_chunked_soft_cross_entropy_is_the_plain_form_with_its_gradients(chunk_r
     rows, hidden, vocab = 37, 16, 50
     readout = torch.randn(rows, hidden, generator=generator, requires_grad=True)
     draft_weight = torch.randn(vocab, hidden, generator=generator).mul(0.5).requires_grad_()
-    target_top, target_rows = torch.randn(rows, hidden, generator=generator), torch.randn(vocab, hidden, generator=generator)
+    # the trainer's rows share target states (one position's state at several depths): 11 distinct of 37
+    distinct = torch.randn(11, hidden, generator=generator)
+    target_top = distinct[torch.randint(0, 11, (rows,), generator=generator)]
+    target_rows = torch.randn(vocab, hidden, generator=generator)
     row_weights = torch.rand(rows, generator=generator)  # the trainer weighs rows by depth
 
     def plain(top_rows):
