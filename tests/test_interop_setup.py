@@ -61,6 +61,26 @@ def test_float_dir_of_the_cached_gguf_model_has_no_blocks_and_the_same_config():
     assert float_model_dir("smollm2-135m", progress=False) == float_dir  # written once
 
 
+@pytest.mark.slow
+def test_float_dir_finds_the_registry_gguf_when_the_recorded_path_is_gone(tmp_path, monkeypatch):
+    """The cache outlives the interpreter that installed the GGUF (CI keeps ~/.cache, not .venv, and
+    checks out elsewhere): the recorded source path is stale, the registry locates the file again."""
+    import shutil
+
+    from specdec.models.registry import fetch, model_cache_dir
+
+    cached = fetch("smollm2-135m", progress=False)
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    moved = model_cache_dir("smollm2-135m")
+    shutil.copytree(cached, moved)
+    marker = json.loads((moved / MARKER_FILE).read_text())
+    marker["source_gguf"] = str(tmp_path / "an-old-venv" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    (moved / MARKER_FILE).write_text(json.dumps(marker))
+    float_dir = float_model_dir("smollm2-135m", progress=False)
+    assert float_dir == moved.with_name(moved.name + "-hf-float") and not holds_gguf_blocks(float_dir)
+    assert json.loads((float_dir / MARKER_FILE).read_text())["source_sha256"] == marker["source_sha256"]
+
+
 @pytest.mark.parametrize("method, options, message", [
     ("vllm-eagle3", {}, "needs checkpoint=DIR"),
     ("vllm-ngram", {"bogus": "1"}, "has no option 'bogus'"),
