@@ -33,23 +33,17 @@ def float_model_dir(name_or_path: str, progress: bool = True) -> Path:
 
     A directory without GGUF blocks is returned as it is; otherwise the float copy beside the
     cached conversion, converted from the same GGUF file the first time."""
-    from .registry import MODELS, _is_complete, convert_into_cache, fetch_gguf, resolve_model_dir
+    from .registry import _is_complete, convert_into_cache, resolve_model_dir, source_gguf_of
 
     model_dir = resolve_model_dir(name_or_path, progress=progress)
     if not holds_gguf_blocks(model_dir):
         return model_dir
     marker = read_marker(model_dir) or {}
-    source, digest = marker.get("source_gguf"), marker.get("source_sha256")
-    if (not source or not Path(source).is_file()) and marker.get("name") in MODELS:
-        # the cache outlives the interpreter that installed the GGUF (CI keeps ~/.cache, not .venv)
-        source = str(fetch_gguf(marker["name"], progress=progress))
-    if not source or not Path(source).is_file():
-        raise ValueError(f"{model_dir} holds GGUF blocks but its source GGUF file ({source or 'not recorded'}) is gone: "
-                         f"run `specdec models fetch NAME --force` to rebuild it")
+    digest = marker.get("source_sha256")
     float_dir = model_dir.with_name(model_dir.name + FLOAT_DIR_SUFFIX)
     if _is_complete(float_dir, digest):
         return float_dir
+    source = source_gguf_of(model_dir, progress=progress)
     with writing_cache(f"the float copy of {model_dir.name}"):
-        return convert_into_cache(Path(source), float_dir, digest, str(marker.get("name", model_dir.name)),
+        return convert_into_cache(source, float_dir, digest, str(marker.get("name", model_dir.name)),
                                   progress=progress, keep_blocks=False)
-

