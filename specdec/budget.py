@@ -406,7 +406,8 @@ class AutoBudget(BudgetPolicy):
                     for seq in seqs]
         drafting = [seq for seq in seqs if seq.drafter is not None]
         if len(drafting) <= 1:
-            return [self._single(seq, len(seqs) - 1) if seq.drafter is not None else 0 for seq in seqs]
+            return [max(self._single(seq, len(seqs) - 1), self._free(seq, len(seqs) - 1)) if seq.drafter is not None else 0
+                    for seq in seqs]
         # several sequences share the forward: admit draft positions across all of them in order
         # of expected survival while expected tokens per second still rises (load-aware)
         scores = [self._tracker(seq).path_scores(self.max_budget_for(seq.drafter)) if seq.drafter else [] for seq in seqs]
@@ -414,9 +415,18 @@ class AutoBudget(BudgetPolicy):
         budgets = allocate_batch_budget(scores, self.cost, draft_ms)
         total = len(seqs) + sum(budgets)
         return [
-            budget if budget == 0 or self.pays_back(seq, budget, total - budget - 1) else 0
+            max(budget if budget == 0 or self.pays_back(seq, budget, total - budget - 1) else 0,
+                self._free(seq, total - budget - 1) if seq.drafter is not None else 0)
             for seq, budget in zip(seqs, budgets)
         ]
+
+    def _free(self, seq, others: int) -> int:
+        """How many of the drafter's free candidates (Drafter.free_path_scores: found before
+        drafting, drafted at no cost) are worth verifying, priced at the verify's cost alone: a
+        hybrid's retrieval matches are verified even while its model drafter does not pay."""
+        limit = self.max_budget_for(seq.drafter)
+        scores = seq.drafter.free_path_scores(seq.ctx, limit)[:limit]
+        return choose_budget(scores, self.cost, 0.0, limit, others, whole_forward=True) if scores else 0
 
     def _block(self, seq, others: int) -> int:
         """A drafter that scores its own positions drafts its whole block (verify_prefixes then cuts

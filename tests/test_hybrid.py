@@ -180,3 +180,58 @@ def test_a_head_drafter_as_the_model(tiny_target, kind):
     assert result.tokens == plain and result.stats.drafted_by_source.get(name, 0) > 0
     sampled = generate(tiny_target, prompt, drafter, max_new_tokens=16, sampling=SamplingParams(temperature=1.0, seed=2))
     assert sampled.stats.drafted_by_source.get(name, 0) > 0
+
+
+# ---------------------------------------------------------------------------- the budget of a hybrid
+def test_retrieval_matches_are_verified_while_the_model_does_not_pay(smollm2):
+    """Under --gamma auto a hybrid whose model never pays (random tokens) and whose record therefore
+    says drafting does not pay still has its free retrieval matches verified (Drafter.free_path_scores):
+    the policy plans them at the verify's cost alone. Before, the policy planned budget 0 on nearly
+    every step and suffix stopped drafting with the model (EAGLE-3 as the model on the dev subset)."""
+    from specdec.budget import AutoBudget
+    from specdec.cost import CostTable
+    from specdec.loop import run
+
+    table = CostTable({}, [1, 2, 4, 8, 13, 256], [100.0, 104.0, 110.0, 125.0, 140.0, 1400.0])
+    prompt = smollm2.encode_prompt(copy_prompts()[0])
+    plain = generate(smollm2, prompt, None, max_new_tokens=MAX_NEW).tokens
+    outcomes = {}
+    for free_scores in (True, False):
+        policy = AutoBudget(table, max_budget=8)
+        for _ in range(50):  # earlier requests drafted and failed: a new one starts at a prior near 0
+            policy.population.update(1, 0)
+        drafter = make_drafter("hybrid", smollm2, sources="suffix,pld", model="random", model_per_token=0.0)
+        if not free_scores:  # the policy as it was: the hybrid's record alone
+            drafter.free_path_scores = lambda ctx, limit: []
+        (result,) = run(smollm2, [prompt], drafter, MAX_NEW, SamplingParams(), (), policy).finish()
+        assert result.tokens == plain
+        outcomes[free_scores] = result.stats
+    with_free, record_only = outcomes[True], outcomes[False]
+    retrieval = [stats.accepted_by_source.get("suffix", 0) + stats.accepted_by_source.get("pld", 0)
+                 for stats in (with_free, record_only)]
+    # the record alone: one probe node at a time (8 accepted in 15 steps); the free matches: 15 in 8
+    assert retrieval[0] >= MAX_NEW // 2 and retrieval[0] > retrieval[1]
+    assert 3 * with_free.steps <= 2 * record_only.steps
+
+
+def test_a_chained_head_feeds_its_rows_only_when_it_drafts(tiny_target):
+    """EAGLE's runner holds the target rows while it does not draft (the hybrid ran its retrieval
+    alone) and feeds them in its next draft: one module forward (the prompt's rows), none on the
+    steps without a draft."""
+    from test_head_drafter import RANKED, random_module
+
+    from specdec.drafters.eagle import Eagle3Drafter
+
+    model = Eagle3Drafter.from_module(tiny_target, random_module("eagle3", tiny_target), draft_vocab_ids=RANKED)
+    forwards = []
+    step = model.heads.step
+    model.heads.step = lambda *args, **kwargs: forwards.append(1) or step(*args, **kwargs)
+    drafter = HybridDrafter(tiny_target, sources="suffix,pld", model=model, model_per_token=10.0)  # the model never pays
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    result = generate(tiny_target, prompt, drafter, max_new_tokens=12)
+    assert result.tokens == generate(tiny_target, prompt, None, max_new_tokens=12).tokens
+    assert len(forwards) == 1 and result.stats.drafted_by_source.get("eagle3", 0) == 0
+    drafter.model_per_token = 0.0  # now it drafts: the held rows are fed first, and the output stays plain's
+    result = generate(tiny_target, prompt, drafter, max_new_tokens=12)
+    assert result.tokens == generate(tiny_target, prompt, None, max_new_tokens=12).tokens
+    assert len(forwards) > 2 and result.stats.drafted_by_source.get("eagle3", 0) > 0

@@ -110,6 +110,14 @@ class Drafter(ABC):
         (a composite's sources); none by default."""
         return []
 
+    def free_path_scores(self, ctx: DraftContext, limit: int) -> list[float]:
+        """Path scores (best first, at most `limit`) of nodes this step's proposal can hold at no
+        drafting cost, known before drafting: deterministic candidates already found (a hybrid's
+        retrieval matches), each scored by its source's earlier outcomes. The budget policy prices
+        them at the verify's cost alone, so a paid part that does not pay never switches them off.
+        Default: none (the policy plans the drafter by its record alone)."""
+        return []
+
     def catch_up_tokens(self, ctx: DraftContext) -> int:
         """Committed tokens the next proposal must first feed through the drafter's own model
         (a draft model's prompt prefill, or tokens committed while drafting was off). Each costs

@@ -5,7 +5,8 @@ what a module keeps of a sequence's committed positions and how it drafts from t
 * `ParallelRunner` (MTP parallel heads): the heads' KV caches; every depth's logits at once.
 * `ChainRunner` (chained modules: MTP sequential, EAGLE-1, EAGLE-3): a KV cache and the state at
   the newest cached position; depth d reads depth d - 1's state and draft token d - 1; also
-  EAGLE-2's dynamic tree.
+  EAGLE-2's dynamic tree. Holds the target's rows until the next draft too (a step without one
+  costs the module nothing).
 * `DFlashRunner` (DFlash, DSpark): holds the target's rows until a block is drafted, then computes
   every draft layer's context keys / values for all of them in one forward; one block forward
   drafts the chain.
@@ -86,20 +87,36 @@ class ParallelRunner(_AllDepthsAtOnce):
 
 class ChainRunner:
     """A chained module (MTP sequential, EAGLE): its KV cache and the state at the newest cached
-    position (whose projection is the depth-1 distribution)."""
+    position (whose projection is the depth-1 distribution).
+
+    The target rows of a step it drafted in (and the prompt's) are fed through the module as they
+    arrive, as the verify ends; after a step without a draft (the budget policy gave it nothing, or
+    a hybrid ran its retrieval sources alone) they are held and fed in one forward before its next
+    draft: such steps cost the module nothing, and the held rows are the catch-up the budget policy
+    prices (`pending`) before drafting again."""
 
     def __init__(self, heads: ChainedModule, vocab: DraftVocab, target, prompt_len: int):
         # vocab.parts: embeddings from the full table (any committed token), logits over the draft vocabulary
         self.heads, self.vocab, self.parts = heads, vocab, vocab.parts
         self.cache = heads.new_cache(prompt_len + CACHE_HEADROOM, target.dtype, target.device)
         self.last_output: torch.Tensor | None = None  # [1, 1, H]
+        self.held: list[torch.Tensor] = []  # [n_i, H * layers] target rows received, not fed yet
+        self.drafted = True  # since the last receive (the prompt's rows count as a drafting step's)
 
     def receive(self, ctx: DraftContext) -> None:
-        cached = int(self.cache.lengths[0])
-        rows, start = new_hidden_rows(ctx, self.heads.input_layers, cached)
-        if rows is None:
+        rows, _ = new_hidden_rows(ctx, self.heads.input_layers, int(self.cache.lengths[0]) + self.pending())
+        if rows is not None:
+            self.held.append(rows)
+        if self.drafted:
+            self.feed(ctx)
+        self.drafted = False
+
+    def feed(self, ctx: DraftContext) -> None:
+        """Feed the held rows through the module: position i's row with committed token i + 1."""
+        if not self.held:
             return
-        num_new = rows.shape[0]
+        rows, self.held = torch.cat(self.held), []  # [n, H * layers]
+        start, num_new = int(self.cache.lengths[0]), rows.shape[0]
         self.cache = grow_cache(self.cache, start + num_new + CACHE_HEADROOM)
         next_tokens = torch.tensor([ctx.tokens[start + 1 : start + 1 + num_new]])  # [1, n]: all committed
         positions = torch.arange(start, start + num_new)[None]
@@ -107,15 +124,17 @@ class ChainRunner:
         self.last_output = self.heads.step(state, next_tokens, positions, self.cache, self.parts)[:, -1:]
 
     def ready(self) -> bool:
-        return self.last_output is not None
+        return self.last_output is not None or bool(self.held)
 
     def pending(self) -> int:
-        return 0
+        return sum(rows.shape[0] for rows in self.held)
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         return self.heads.project(states, self.parts).float()  # [..., V'] over the draft vocabulary
 
     def chain(self, ctx: DraftContext, length: int, choose: Choose) -> None:
+        self.feed(ctx)
+        self.drafted = True
         committed = int(self.cache.lengths[0])
         self.cache = grow_cache(self.cache, committed + length + CACHE_HEADROOM)
         previous, token = self.last_output, None
@@ -129,6 +148,8 @@ class ChainRunner:
     def tree(self, ctx: DraftContext, budget: int, max_depth: int, topk: int, sample: bool) -> Draft:
         """EAGLE-2's dynamic tree: expand the best k nodes of each depth, rank all, keep `budget`
         (children drawn from q with exact rows when sampling, see ScoredTree)."""
+        self.feed(ctx)
+        self.drafted = True
         committed = int(self.cache.lengths[0])
         depth_limit = min(max_depth, budget)
         self.cache = grow_cache(self.cache, committed + topk * depth_limit + CACHE_HEADROOM)

@@ -17,7 +17,11 @@ prospective chain slots; a model slot at depth d enters only when it pays for it
 steps, against the ~one target step an accepted token saves). The model runs only when at least
 one slot entered, asked for exactly that many nodes; the catch-up of its own cache (a draft model
 prefilling the prompt) is paid on its first run and not priced here (`catch_up_tokens` is 0, so
-the budget policy plans the retrieval part as for any free drafter).
+the budget policy plans the retrieval part as for any free drafter). The policy sees the step's
+retrieval candidates before drafting (`free_path_scores`: deterministic, so allowed) and prices
+them at the verify's cost alone: a model drafter that does not pay, and drags the hybrid's record
+down, never switches the free matches off (it did: budget 0 on 99 % of steps with EAGLE-3 as the
+model, so suffix stopped drafting too).
 
 Why the merged tree stays exact (the rule of specdec.verify relied on): verify_tree tries a node's
 children in node order against the current residual, and a child's `draft_probs` row must be the
@@ -215,6 +219,7 @@ class HybridDrafter(Drafter):
         # fresh objects (never cleared in place): for_sequence() copies share attributes until begin()
         self.trackers = [AcceptanceTracker() for _ in self.source_names]
         self.last_step: tuple[CandidateTrie, list[int]] | None = None  # (trie, the trie node of each draft node)
+        self.found: tuple[int, int, CandidateTrie] | None = None  # (committed tokens, limit, retrieval trie) of this step
 
     def for_sequence(self) -> HybridDrafter:
         fresh = copy.copy(self)
@@ -230,6 +235,7 @@ class HybridDrafter(Drafter):
 
     def on_verified(self, result, ctx: DraftContext) -> None:
         self._learn(result)
+        self.found = None
         for drafter in self.parts():
             drafter.on_verified(result, ctx)
 
@@ -238,13 +244,27 @@ class HybridDrafter(Drafter):
             drafter.on_finished(result, ctx)
 
     # ------------------------------------------------------------------ drafting
+    def free_path_scores(self, ctx: DraftContext, limit: int) -> list[float]:
+        """The retrieval candidates' scores: deterministic, found before drafting and free, so the
+        budget policy verifies them even when the model's slots do not pay (Drafter.free_path_scores)."""
+        return sorted((node.score for node in self._retrieval_trie(ctx, limit).nodes), reverse=True)
+
+    def _retrieval_trie(self, ctx: DraftContext, limit: int) -> CandidateTrie:
+        """The retrieval sources' candidates, merged; found once per step (a deterministic function
+        of the committed tokens: the budget policy's look and the proposal see the same trie)."""
+        if self.found is not None and self.found[0] == len(ctx.tokens) and self.found[1] >= limit:
+            return self.found[2]
+        trie = CandidateTrie()
+        for source, drafter in enumerate(self.retrieval):
+            draft = drafter.propose(ctx, min(limit, drafter.cost.block))
+            trie.add(draft, source, self.trackers[source].path_scores(limit))
+        self.found = (len(ctx.tokens), limit, trie)
+        return trie
+
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
         if budget <= 0:
             return Draft.empty()
-        trie = CandidateTrie()
-        for source, drafter in enumerate(self.retrieval):
-            draft = drafter.propose(ctx, min(budget, drafter.cost.block))
-            trie.add(draft, source, self.trackers[source].path_scores(budget))
+        trie, self.found = self._retrieval_trie(ctx, budget), None  # the model's nodes join it: used once
         kept, model_nodes = self._allocate(trie, budget)
         if model_nodes:
             model = len(self.retrieval)
