@@ -140,6 +140,21 @@ def test_training_resumes_exactly_after_a_kill(counter, dflash_data, tmp_path):
         assert torch.allclose(a, b, atol=1e-6), name
 
 
+def test_a_timed_run_resumes_its_schedule_and_its_budget(counter, dflash_data, tmp_path):
+    """--minutes is the whole training's budget: a resumed run goes on down the same cosine (its first
+    learning rate is no higher than the last before the kill) and stops when the total time is spent.
+    It restarted the schedule at the top and trained another full budget before."""
+    settings = lambda: _settings(steps=None, minutes=0.1, warmup_steps=1, eval_every=1000, save_every=1000)  # noqa: E731
+    out = tmp_path / "timed"
+    _, first = _train(counter, dflash_data, out, settings(), stop_after_steps=6)
+    last_lr, elapsed = first.history["train"][-1]["lr"], first.elapsed_s
+    assert last_lr < 3e-3 * (1 - 1e-6)  # some of the budget went: below the top of the cosine
+    _, resumed = _train(counter, dflash_data, out, settings(), resume=True)
+    history = resumed.history["train"]
+    assert history[6]["lr"] <= last_lr and history[-1]["lr"] < history[6]["lr"]
+    assert 6.0 <= resumed.elapsed_s < 6.0 + elapsed  # one budget in all (it trained another whole budget)
+
+
 def test_greedy_batch_through_the_loop_equals_plain(counter, trained):
     drafter = DFlashDrafter(counter, checkpoint=str(trained[0]))
     prompts = [[5, 6, 7, 8], [20, 21], [13, 3, 22, 9]]

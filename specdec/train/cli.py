@@ -124,7 +124,7 @@ def _add_common_training_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory written by `specdec train data` (repeat to combine several; held-out data "
                              "comes from the self-distilled ones)")
     parser.add_argument("--out", required=True, help="checkpoint directory")
-    parser.add_argument("--minutes", type=float, default=None, help=f"time budget of this run (default {DEFAULT_MINUTES} without --steps)")
+    parser.add_argument("--minutes", type=float, default=None, help=f"time budget of the training, a resumed run's earlier time included (default {DEFAULT_MINUTES} without --steps)")
     parser.add_argument("--steps", type=int, default=None, help="total optimizer steps")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default depends on the head type)")
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default on CPU: 8 Medusa, 2 MTP; 16 on CUDA)")

@@ -23,8 +23,9 @@ positions per sequence per step (each a block drafted from there) and the rows a
 Held-out evaluation also reports `tau`: the mean tokens per greedy verify step of a K-token chain
 (leading head positions whose top-1 is the target's token, + 1), for every head type alike.
 
-Schedule horizon: `steps` when given (a resumed run continues the same schedule), else this
-run's `minutes` (the cosine follows elapsed time).
+Schedule horizon: `steps` and / or `minutes`, both totals over the run and the runs it resumed, so a
+resumed run continues the same schedule (the cosine follows the elapsed training time) and stops
+where the uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ EVAL_RANKS = 10  # rank-r hit rates stored for r < EVAL_RANKS (tree shaping)
 @dataclass
 class TrainSettings:
     steps: int | None = None  # total optimizer steps (None: only the time budget)
-    minutes: float | None = None  # time budget of this run (None: only steps)
+    minutes: float | None = None  # time budget, the resumed runs' time included (None: only steps)
     lr: float = 1e-3
     batch_size: int = 8
     warmup_steps: int = 20
@@ -498,7 +499,7 @@ class _TrainingRun:
         stop_at = math.inf if stop_after_steps is None else self.step + stop_after_steps
         bar = tqdm(total=settings.steps, initial=self.step, desc=f"train {self.heads.kind}", unit="step", disable=not progress)
         try:
-            while ((settings.steps is None or self.step < settings.steps) and time.perf_counter() - self.started < budget_s
+            while ((settings.steps is None or self.step < settings.steps) and self.elapsed_s() < budget_s
                    and self.step < stop_at):
                 loss, accuracy = self.train_step(budget_s)
                 bar.update(1)
@@ -517,8 +518,7 @@ class _TrainingRun:
     def train_step(self, budget_s: float) -> tuple[float, list[float]]:
         """One optimizer step on a batch seeded by (seed, step): (loss, top-1 accuracy per head position)."""
         settings, heads = self.settings, self.heads
-        run_s = time.perf_counter() - self.started
-        progress_fraction = max(self.step / settings.steps if settings.steps else 0.0, run_s / budget_s)
+        progress_fraction = max(self.step / settings.steps if settings.steps else 0.0, self.elapsed_s() / budget_s)
         for group in self.optimizer.param_groups:
             group["lr"] = settings.lr * lr_factor(self.step, progress_fraction, settings)
         generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + self.step)
