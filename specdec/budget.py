@@ -416,7 +416,7 @@ class AutoBudget(BudgetPolicy):
         total = len(seqs) + sum(budgets)
         return [
             max(budget if budget == 0 or self.pays_back(seq, budget, total - budget - 1) else 0,
-                self._free(seq, total - budget - 1) if seq.drafter is not None else 0)
+                self._free(seq, total - budget - 1))
             for seq, budget in zip(seqs, budgets)
         ]
 
@@ -424,6 +424,8 @@ class AutoBudget(BudgetPolicy):
         """How many of the drafter's free candidates (Drafter.free_path_scores: found before
         drafting, drafted at no cost) are worth verifying, priced at the verify's cost alone: a
         hybrid's retrieval matches are verified even while its model drafter does not pay."""
+        if seq.drafter is None:
+            return 0
         limit = self.max_budget_for(seq.drafter)
         scores = seq.drafter.free_path_scores(seq.ctx, limit)[:limit]
         return choose_budget(scores, self.cost, 0.0, limit, others, whole_forward=True) if scores else 0

@@ -20,8 +20,7 @@ prefilling the prompt) is paid on its first run and not priced here (`catch_up_t
 the budget policy plans the retrieval part as for any free drafter). The policy sees the step's
 retrieval candidates before drafting (`free_path_scores`: deterministic, so allowed) and prices
 them at the verify's cost alone: a model drafter that does not pay, and drags the hybrid's record
-down, never switches the free matches off (it did: budget 0 on 99 % of steps with EAGLE-3 as the
-model, so suffix stopped drafting too).
+down, never switches the free matches off.
 
 Why the merged tree stays exact (the rule of specdec.verify relied on): verify_tree tries a node's
 children in node order against the current residual, and a child's `draft_probs` row must be the
