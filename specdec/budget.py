@@ -67,31 +67,38 @@ def chain_path_scores(accept_probs_by_depth: Sequence[float]) -> list[float]:
     return survivals(check_probabilities("accept_probs_by_depth", accept_probs_by_depth))
 
 
-def tokens_per_ms(path_scores: Sequence[float], cost: CostTable, draft_ms_per_node: float, other_tokens: int = 0,
-                  draft_ms_per_step: float = 0.0, whole_forward: bool = False) -> list[float]:
+def tokens_per_ms(path_scores: Sequence[float], cost: CostTable, draft_ms_per_node: float | Sequence[float],
+                  other_tokens: int = 0, draft_ms_per_step: float = 0.0, whole_forward: bool = False) -> list[float]:
     """rates[n] for n = 0..len(path_scores): expected tokens per ms of a step drafting the first n
-    nodes, (1 + sum_{i<n} s_i) / (draft_ms_per_step + n * draft_ms_per_node + T(other_tokens + n + 1));
-    rates[0] is plain decoding, 1 / T(other_tokens + 1). `other_tokens`: tokens of the other sequences
-    in the forward; `draft_ms_per_step`: paid by any n > 0 (a block drafter's forward drafts its whole
-    block however much of it is verified). `whole_forward`: the other tokens are the other sequences'
-    roots and count too (numerators + other_tokens): the forward's throughput, which a draft slows for
-    every sequence in it, instead of this sequence's alone."""
-    if draft_ms_per_node < 0 or draft_ms_per_step < 0:
+    nodes, (1 + sum_{i<n} s_i) / (draft_ms_per_step + sum_{i<n} d_i + T(other_tokens + n + 1));
+    rates[0] is plain decoding, 1 / T(other_tokens + 1). `draft_ms_per_node`: d_i, one price for
+    every node or one per node (a hybrid's found retrieval matches cost nothing, its model's slots
+    do); `other_tokens`: tokens of the other sequences in the forward; `draft_ms_per_step`: paid by
+    any n > 0 (a block drafter's forward drafts its whole block however much of it is verified).
+    `whole_forward`: the other tokens are the other sequences' roots and count too (numerators +
+    other_tokens): the forward's throughput, which a draft slows for every sequence in it, instead
+    of this sequence's alone."""
+    node_ms = [draft_ms_per_node] * len(path_scores) if isinstance(draft_ms_per_node, (int, float)) else list(draft_ms_per_node)
+    if len(node_ms) < len(path_scores):
+        raise ValueError(f"need a draft price per node: {len(node_ms)} prices for {len(path_scores)} nodes")
+    if not all(ms >= 0 for ms in node_ms) or not draft_ms_per_step >= 0:
         raise ValueError(f"draft time must be >= 0 ms, got {draft_ms_per_node} per node, {draft_ms_per_step} per step")
     if other_tokens < 0:
         raise ValueError(f"other_tokens must be >= 0, got {other_tokens}")
     expected_tokens = 1.0 + (other_tokens if whole_forward else 0)
     rates = [expected_tokens / cost.t(other_tokens + 1)]
-    for nodes, score in enumerate(path_scores, start=1):
+    draft_ms = draft_ms_per_step
+    for nodes, (score, ms) in enumerate(zip(path_scores, node_ms), start=1):
         expected_tokens += score
-        rates.append(expected_tokens / (draft_ms_per_step + nodes * draft_ms_per_node + cost.t(other_tokens + nodes + 1)))
+        draft_ms += ms
+        rates.append(expected_tokens / (draft_ms + cost.t(other_tokens + nodes + 1)))
     return rates
 
 
 def choose_budget(
     path_scores: Sequence[float],
     cost: CostTable,
-    draft_ms_per_node: float,
+    draft_ms_per_node: float | Sequence[float],
     max_budget: int,
     other_tokens: int = 0,
     draft_ms_per_step: float = 0.0,
@@ -404,31 +411,37 @@ class AutoBudget(BudgetPolicy):
             others = len(seqs) - 1
             return [self._block(seq, others) if self.schedules(seq.drafter) else self.max_budget_for(seq.drafter)
                     for seq in seqs]
-        drafting = [seq for seq in seqs if seq.drafter is not None]
-        if len(drafting) <= 1:
-            return [max(self._single(seq, len(seqs) - 1), self._free(seq, len(seqs) - 1)) if seq.drafter is not None else 0
-                    for seq in seqs]
+        limits = [self.max_budget_for(seq.drafter) for seq in seqs]
+        offers = [None if seq.drafter is None else seq.drafter.offered_paths(seq.ctx, limit)
+                  for seq, limit in zip(seqs, limits)]
+        if sum(seq.drafter is not None for seq in seqs) <= 1:
+            return [0 if seq.drafter is None else self._single(seq, len(seqs) - 1) if offer is None
+                    else self._offered(offer, len(seqs) - 1) for seq, offer in zip(seqs, offers)]
         # several sequences share the forward: admit draft positions across all of them in order
-        # of expected survival while expected tokens per second still rises (load-aware)
-        scores = [self._tracker(seq).path_scores(self.max_budget_for(seq.drafter)) if seq.drafter else [] for seq in seqs]
-        draft_ms = max(self._draft_ms_per_token(seq) for seq in drafting)
+        # of expected survival while expected tokens per second still rises (load-aware); the
+        # sequences whose drafter offers its nodes (priced one by one) are planned after them
+        scores = [self._tracker(seq).path_scores(limit) if seq.drafter is not None and offer is None else []
+                  for seq, limit, offer in zip(seqs, limits, offers)]
+        drafting = [seq for seq, offer in zip(seqs, offers) if seq.drafter is not None and offer is None]
+        draft_ms = max((self._draft_ms_per_token(seq) for seq in drafting), default=0.0)
         budgets = allocate_batch_budget(scores, self.cost, draft_ms)
         total = len(seqs) + sum(budgets)
-        return [
-            max(budget if budget == 0 or self.pays_back(seq, budget, total - budget - 1) else 0,
-                self._free(seq, total - budget - 1))
-            for seq, budget in zip(seqs, budgets)
-        ]
+        budgets = [budget if budget == 0 or self.pays_back(seq, budget, total - budget - 1) else 0
+                   for seq, budget in zip(seqs, budgets)]
+        total = len(seqs) + sum(budgets)
+        for row, offer in enumerate(offers):
+            if offer is not None:
+                budgets[row] = self._offered(offer, total - 1)
+                total += budgets[row]
+        return budgets
 
-    def _free(self, seq, others: int) -> int:
-        """How many of the drafter's free candidates (Drafter.free_path_scores: found before
-        drafting, drafted at no cost) are worth verifying, priced at the verify's cost alone: a
-        hybrid's retrieval matches are verified even while its model drafter does not pay."""
-        if seq.drafter is None:
-            return 0
-        limit = self.max_budget_for(seq.drafter)
-        scores = seq.drafter.free_path_scores(seq.ctx, limit)[:limit]
-        return choose_budget(scores, self.cost, 0.0, limit, others, whole_forward=True) if scores else 0
+    def _offered(self, offer: list[tuple[float, float]], others: int) -> int:
+        """How much of a drafter's offer (Drafter.offered_paths: its nodes best first, with their
+        drafting prices in target steps) to draft: the prefix that earns the most tokens per ms of
+        the forward, every node priced at its drafting and its share of the verify."""
+        scores = [score for score, _ in offer]
+        node_ms = [price * self.cost.t(1) for _, price in offer]
+        return choose_budget(scores, self.cost, node_ms, len(offer), others, whole_forward=True)
 
     def _block(self, seq, others: int) -> int:
         """A drafter that scores its own positions drafts its whole block (verify_prefixes then cuts

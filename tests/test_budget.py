@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from specdec.budget import AcceptanceTracker, AutoBudget
+from specdec.budget import AcceptanceTracker, AutoBudget, choose_budget, tokens_per_ms
 from specdec.cost import CostTable
 from specdec.draft import Draft
 from specdec.drafters.base import DraftContext, DraftCost, Drafter
@@ -346,3 +346,16 @@ def test_draft_plans_caps_at_max_new_tokens_and_cuts_in_one_call():
     for seq, draft in zip(seqs, cut):  # observe consumes the block (the next step's cut is its own)
         policy.observe(seq, len(draft), len(draft))
         assert seq.plan_state.block is None and seq.plan_state.tracker is policy._tracker(seq)
+
+
+def test_nodes_priced_one_by_one():
+    """A hybrid's offer: a found retrieval match costs only its verify row, a model slot its drafting
+    too; the second node pays when free and does not at 50 ms."""
+    table = CostTable({}, [1, 2, 3], [100.0, 110.0, 120.0])
+    assert tokens_per_ms([0.9, 0.5], table, [0.0, 50.0]) == pytest.approx([1 / 100, 1.9 / 110, 2.4 / 170])
+    assert choose_budget([0.9, 0.5], table, [0.0, 50.0], 2) == 1
+    assert choose_budget([0.9, 0.5], table, 0.0, 2) == 2
+    with pytest.raises(ValueError, match="a draft price per node"):
+        tokens_per_ms([0.9, 0.5], table, [0.0])
+    with pytest.raises(ValueError, match=">= 0 ms"):
+        tokens_per_ms([0.9, 0.5], table, [0.0, -1.0])

@@ -103,6 +103,16 @@ def test_greedy_equals_plain_and_every_source_is_credited(smollm2, smollm2_bf16)
     assert [result.tokens for result in alone] == plain
     batched = generate_batch(smollm2, prompts, drafter, max_new_tokens=MAX_NEW)
     assert [result.tokens for result in batched] == plain
+    # batched under --gamma auto: each sequence's offer is priced after the others' rows
+    from specdec.budget import AutoBudget
+    from specdec.cost import CostTable
+    from specdec.loop import run
+
+    cheap = CostTable({}, [1, 2, 4, 8, 13, 256], [100.0, 101.0, 103.0, 107.0, 112.0, 1400.0])
+    prompt_ids = [smollm2.encode_prompt(prompt) for prompt in prompts]
+    auto = run(smollm2, prompt_ids, drafter, MAX_NEW, SamplingParams(), (), AutoBudget(cheap, max_budget=8)).finish()
+    assert [result.tokens for result in auto] == plain
+    assert sum(result.stats.accepted_by_source.get("suffix", 0) for result in auto) > 0
     total = SpecStats.combine(result.stats for result in alone)
     assert sum(total.accepted_by_source.values()) == total.accepted_tokens
     assert sum(total.drafted_by_source.values()) == total.drafted_tokens
@@ -185,8 +195,8 @@ def test_a_head_drafter_as_the_model(tiny_target, kind):
 # ---------------------------------------------------------------------------- the budget of a hybrid
 def test_retrieval_matches_are_verified_while_the_model_does_not_pay(smollm2):
     """Under --gamma auto a hybrid whose model never pays (random tokens) and whose record therefore
-    says drafting does not pay still has its free retrieval matches verified (Drafter.free_path_scores):
-    the policy plans them at the verify's cost alone. Before, the policy planned budget 0 on nearly
+    says drafting does not pay still has its free retrieval matches verified (Drafter.offered_paths:
+    found matches at price 0, the model's slots at the model's price). Before, the policy planned budget 0 on nearly
     every step and suffix stopped drafting with the model (EAGLE-3 as the model on the dev subset)."""
     from specdec.budget import AutoBudget
     from specdec.cost import CostTable
@@ -196,22 +206,61 @@ def test_retrieval_matches_are_verified_while_the_model_does_not_pay(smollm2):
     prompt = smollm2.encode_prompt(copy_prompts()[0])
     plain = generate(smollm2, prompt, None, max_new_tokens=MAX_NEW).tokens
     outcomes = {}
-    for free_scores in (True, False):
+    for offered in (True, False):
         policy = AutoBudget(table, max_budget=8)
         for _ in range(50):  # earlier requests drafted and failed: a new one starts at a prior near 0
             policy.population.update(1, 0)
         drafter = make_drafter("hybrid", smollm2, sources="suffix,pld", model="random", model_per_token=0.0)
-        if not free_scores:  # the policy as it was: the hybrid's record alone
-            drafter.free_path_scores = lambda ctx, limit: []
+        if not offered:  # the policy as it was: the hybrid's record alone
+            drafter.offered_paths = lambda ctx, limit: None
         (result,) = run(smollm2, [prompt], drafter, MAX_NEW, SamplingParams(), (), policy).finish()
         assert result.tokens == plain
-        outcomes[free_scores] = result.stats
+        outcomes[offered] = result.stats
     with_free, record_only = outcomes[True], outcomes[False]
     retrieval = [stats.accepted_by_source.get("suffix", 0) + stats.accepted_by_source.get("pld", 0)
                  for stats in (with_free, record_only)]
-    # the record alone: one probe node at a time (8 accepted in 15 steps); the free matches: 15 in 8
+    # the record alone: one probe node at a time (8 accepted in 15 steps); the offered matches: 15 in 8
     assert retrieval[0] >= MAX_NEW // 2 and retrieval[0] > retrieval[1]
     assert 3 * with_free.steps <= 2 * record_only.steps
+
+
+def test_a_model_slot_enters_only_when_it_pays_for_its_verify(smollm2):
+    """Under --gamma auto a model slot is priced at its drafting and its share of the verify forward:
+    with the model's held-out acceptance at 0.3 (its tracker's starting estimate) one extra row that
+    costs half a step does not pay (1.3 tokens in 1.5 steps) and the model never drafts, where a row
+    costing 1 % does; with no held-out figure the tracker starts at 0.6 and the dear row pays
+    (1.6 in 1.5) until the random model's misses bring the estimate down. Output = plain each time."""
+    from specdec.budget import AutoBudget
+    from specdec.cost import CostTable
+    from specdec.loop import run
+
+    ks = [1, 2, 4, 8, 13, 256]
+    dear = CostTable({}, ks, [100.0, 150.0, 250.0, 450.0, 700.0, 9000.0])
+    cheap = CostTable({}, ks, [100.0, 101.0, 103.0, 107.0, 112.0, 1400.0])
+    prompt = smollm2.encode_prompt(PROMPTS[0])
+    plain = generate(smollm2, prompt, None, max_new_tokens=MAX_NEW).tokens
+    drafted = {}
+    for case, table, held_out in (("dear", dear, 0.3), ("cheap", cheap, 0.3), ("dear, unknown", dear, None)):
+        drafter = make_drafter("hybrid", smollm2, sources="", model="random", model_per_token=0.0)
+        drafter.model.held_out_acceptance = held_out
+        (result,) = run(smollm2, [prompt], drafter, MAX_NEW, SamplingParams(), (), AutoBudget(table, max_budget=8)).finish()
+        assert result.tokens == plain
+        drafted[case] = result.stats.drafted_by_source.get("random", 0)
+    assert drafted["dear"] == 0 and drafted["cheap"] >= MAX_NEW // 2 and 0 < drafted["dear, unknown"] < MAX_NEW // 2
+
+
+def test_a_checkpoint_s_held_out_top1_is_the_model_s_starting_estimate(tiny_target):
+    from test_head_drafter import RANKED, random_module
+
+    from specdec.drafters.eagle import Eagle3Drafter
+
+    module = random_module("eagle3", tiny_target)
+    assert Eagle3Drafter.from_module(tiny_target, module, draft_vocab_ids=RANKED).held_out_acceptance is None
+    model = Eagle3Drafter.from_module(tiny_target, module, rank_acc=[[0.42, 0.1], [0.3, 0.1]], draft_vocab_ids=RANKED)
+    assert model.held_out_acceptance == pytest.approx(0.42)
+    drafter = HybridDrafter(tiny_target, sources="suffix", model=model)
+    drafter.begin([5, 6, 7], tiny_target)
+    assert drafter.trackers[-1].probs(1)[0] == pytest.approx(0.42) and drafter.trackers[0].probs(1)[0] == pytest.approx(0.6)
 
 
 def test_a_chained_head_feeds_its_rows_only_when_it_drafts(tiny_target):

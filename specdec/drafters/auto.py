@@ -222,10 +222,11 @@ class AutoDrafter(Drafter):
         best = max(self.arms, key=lambda arm: arm.rate())
         return max(free, key=lambda arm: arm.rate()) if best.drafter is None and free else best
 
-    def free_path_scores(self, ctx: DraftContext, limit: int) -> list[float]:
-        """The free candidates of the arm this step will run (choose() reads earlier steps only)."""
+    def offered_paths(self, ctx: DraftContext, limit: int) -> list[tuple[float, float]] | None:
+        """The offer of the arm this step will run (choose() reads earlier steps only); None for an arm
+        that offers none (the policy plans it by its record)."""
         drafter = self.choose().drafter
-        return [] if drafter is None else drafter.free_path_scores(ctx, min(limit, drafter.cost.block))
+        return None if drafter is None else drafter.offered_paths(ctx, min(limit, drafter.cost.block))
 
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
         start = time.perf_counter()

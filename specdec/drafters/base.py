@@ -86,6 +86,9 @@ class Drafter(ABC):
     # rest): a hybrid's retrieval sources
     retrieval_source: ClassVar[bool] = False
     composite: ClassVar[bool] = False  # built of other drafters (hybrid, auto): never another one's part
+    # P(a depth-1 draft is accepted) measured before use (a trained checkpoint's held-out top-1 on the
+    # target's greedy path): the starting estimate of a composite's tracker for it; None: unknown
+    held_out_acceptance: float | None = None
 
     def for_sequence(self) -> Drafter:
         """A fresh per-sequence drafter sharing heavy resources; default: a shallow copy."""
@@ -110,13 +113,17 @@ class Drafter(ABC):
         (a composite's sources); none by default."""
         return []
 
-    def free_path_scores(self, ctx: DraftContext, limit: int) -> list[float]:
-        """Path scores (best first, at most `limit`) of nodes this step's proposal can hold at no
-        drafting cost, known before drafting: deterministic candidates already found (a hybrid's
-        retrieval matches), each scored by its source's earlier outcomes. The budget policy prices
-        them at the verify's cost alone, so a paid part that does not pay never switches them off.
-        Default: none (the policy plans the drafter by its record alone)."""
-        return []
+    def offered_paths(self, ctx: DraftContext, limit: int) -> list[tuple[float, float]] | None:
+        """The nodes this step's proposal would hold, best first (at most `limit`), known before
+        drafting: (path score: estimated P(the node's whole path is accepted), drafting price of the
+        node in target decode steps). The budget policy verifies the prefix that earns the most
+        tokens per ms, each node priced at its drafting plus its share of the verify forward, and
+        `propose(ctx, n)` then holds exactly the first n. A composite offers this (a hybrid: its
+        retrieval matches, found and free, and its model's chain slots at the model's price), so a
+        paid part that does not pay never switches the free part off. Scores must come from
+        pre-draft information (docs/architecture.md). Default: None (the policy plans the drafter
+        by its record of earlier steps)."""
+        return None
 
     def catch_up_tokens(self, ctx: DraftContext) -> int:
         """Committed tokens the next proposal must first feed through the drafter's own model

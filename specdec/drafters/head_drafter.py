@@ -145,6 +145,16 @@ class HeadCheckpoint:
     config: dict = field(default_factory=dict)  # "draft_vocab": {"ids": ranked labels}, "eval": {"rank_acc": ...}
 
 
+def held_out_top1(config: dict) -> float | None:
+    """Depth-1 top-1 agreement with the target on held-out data, from a checkpoint's eval: on the
+    target's greedy path when recorded (what greedy verification accepts), else over all rows."""
+    held_out = config.get("eval") or {}
+    if held_out.get("top1_greedy_path"):
+        return float(held_out["top1_greedy_path"][0])
+    rank_acc = held_out.get("rank_acc")
+    return float(rank_acc[0][0]) if rank_acc and rank_acc[0] else None
+
+
 class HeadDrafter(Drafter):
     """A trained module on the frozen target's hidden states, run per sequence by a `HeadRunner`.
 
@@ -166,6 +176,7 @@ class HeadDrafter(Drafter):
         self.check_module(loaded.module)
         self.sample = check_flag("sample", sample)
         self.target, self.heads, self.config = target, loaded.module, loaded.config
+        self.held_out_acceptance = held_out_top1(self.config)
         self.vocab = self.draft_vocabulary(draft_vocab)
         self.linear_backend = draft_linears(self.heads, self.vocab, draft_weights)
         self.hidden_layers = tuple(self.heads.input_layers)

@@ -8,19 +8,21 @@ verified by the one tree verification (specdec.verify). Each node names its sour
 (`Draft.sources`), so `SpecStats` counts drafted and accepted nodes per source.
 
 Scores and the cut. Every source has its own `AcceptanceTracker` (budget.py): per-depth acceptance
-of the nodes it proposed, learnt from earlier steps' outcomes. A node's score is its source's
-path score at the node's depth (a merged node: the best of its sources'), which is information from
-before this step's drafting. The step's budget (from the budget policy) is filled best first by
-score (ties: shallower, then retrieval before the model) from the retrieval nodes and the model's
-prospective chain slots; a model slot at depth d enters only when it pays for itself, s_d >
-`model_per_token` (default: the model drafter's `cost.per_token`, a drafted token's cost in target
-steps, against the ~one target step an accepted token saves). The model runs only when at least
-one slot entered, asked for exactly that many nodes; the catch-up of its own cache (a draft model
-prefilling the prompt) is paid on its first run and not priced here (`catch_up_tokens` is 0, so
-the budget policy plans the retrieval part as for any free drafter). The policy sees the step's
-retrieval candidates before drafting (`free_path_scores`: deterministic, so allowed) and prices
-them at the verify's cost alone: a model drafter that does not pay, and drags the hybrid's record
-down, never switches the free matches off.
+of the nodes it proposed, learnt from earlier steps' outcomes (the model's starts from its
+checkpoint's held-out acceptance, `Drafter.held_out_acceptance`, when known). A node's score is its
+source's path score at the node's depth (a merged node: the best of its sources'), which is
+information from before this step's drafting. The step's candidates are ranked best first by score
+(ties: shallower, then retrieval before the model): the retrieval nodes and the model's prospective
+chain slots, a slot at depth d only when it could pay for its drafting, s_d > `model_per_token`
+(default: the model drafter's `cost.per_token`, a drafted token's cost in target steps, against the
+~one target step an accepted token saves). A step holds a prefix of that ranking. Under `--gamma
+auto` the policy sees the ranking before drafting (`offered_paths`: retrieval nodes at price 0,
+model slots at `model_per_token`) and keeps the prefix that earns the most tokens per ms with every
+node's drafting and verify cost priced, so a model slot enters only when it pays for both, and a
+model drafter that does not pay never switches the free matches off; with a fixed gamma the step
+holds the first gamma. The model runs only when at least one of its slots is in the prefix, asked
+for exactly that many nodes; the catch-up of its own cache (a draft model prefilling the prompt) is
+paid on its first run and not priced here (`catch_up_tokens` is 0).
 
 Why the merged tree stays exact (the rule of specdec.verify relied on): verify_tree tries a node's
 children in node order against the current residual, and a child's `draft_probs` row must be the
@@ -152,8 +154,8 @@ class HybridDrafter(Drafter):
             A source drafts at most its own block (`gamma`) per step.
         gamma: draft nodes per step when no cost model decides.
         model_per_token: a model-drafted token's price in target steps (default: the model
-            drafter's own `cost.per_token`); a model slot enters only when its estimated path
-            acceptance exceeds it.
+            drafter's own `cost.per_token`); a model slot is a candidate only when its estimated
+            path acceptance exceeds it (under `--gamma auto` it must also pay for its verify).
     """
 
     name = "hybrid"
@@ -216,7 +218,10 @@ class HybridDrafter(Drafter):
 
     def _reset(self) -> None:
         # fresh objects (never cleared in place): for_sequence() copies share attributes until begin()
-        self.trackers = [AcceptanceTracker() for _ in self.source_names]
+        self.trackers = [AcceptanceTracker() for _ in self.retrieval]
+        if self.model is not None:  # the model's starts from its checkpoint's held-out acceptance when known
+            prior = self.model.held_out_acceptance
+            self.trackers.append(AcceptanceTracker() if prior is None else AcceptanceTracker(prior=prior))
         self.last_step: tuple[CandidateTrie, list[int]] | None = None  # (trie, the trie node of each draft node)
         self.found: tuple[int, int, CandidateTrie] | None = None  # (committed tokens, limit, retrieval trie) of this step
 
@@ -243,10 +248,12 @@ class HybridDrafter(Drafter):
             drafter.on_finished(result, ctx)
 
     # ------------------------------------------------------------------ drafting
-    def free_path_scores(self, ctx: DraftContext, limit: int) -> list[float]:
-        """The retrieval candidates' scores: deterministic, found before drafting and free, so the
-        budget policy verifies them even when the model's slots do not pay (Drafter.free_path_scores)."""
-        return sorted((node.score for node in self._retrieval_trie(ctx, limit).nodes), reverse=True)
+    def offered_paths(self, ctx: DraftContext, limit: int) -> list[tuple[float, float]]:
+        """The step's ranking (`_ranking`), each node at its price: a retrieval node is found already
+        (price 0), a model slot costs `model_per_token`. The budget policy keeps the prefix worth its
+        drafting and verify cost, and `propose` fills exactly that prefix (Drafter.offered_paths)."""
+        return [(score, self.model_per_token if from_model else 0.0)
+                for score, from_model, _ in self._ranking(self._retrieval_trie(ctx, limit), limit)]
 
     def _retrieval_trie(self, ctx: DraftContext, limit: int) -> CandidateTrie:
         """The retrieval sources' candidates, merged; found once per step (a deterministic function
@@ -273,17 +280,22 @@ class HybridDrafter(Drafter):
         self.last_step = (trie, order)
         return draft
 
-    def _allocate(self, trie: CandidateTrie, budget: int) -> tuple[set[int], int]:
-        """(the retrieval nodes kept, the model's node budget): the `budget` best of the retrieval
-        nodes and the model's paying chain slots (at most its block) by pre-draft score (ties: shallower first, then
-        retrieval). Scores never rise along a path, so the kept nodes include their ancestors."""
-        ranked = [(-node.score, node.depth, 0, index) for index, node in enumerate(trie.nodes)]
+    def _ranking(self, trie: CandidateTrie, limit: int) -> list[tuple[float, bool, int]]:
+        """The `limit` best candidates, (score, is a model slot, trie node or model depth): the retrieval
+        nodes and the model's chain slots (at most its block) that could pay for their drafting
+        (score > `model_per_token`), by pre-draft score (ties: shallower first, then retrieval).
+        Scores never rise along a path, so every prefix of the ranking holds its nodes' ancestors."""
+        ranked = [(-node.score, node.depth, False, index) for index, node in enumerate(trie.nodes)]
         if self.model is not None:
-            model_scores = self.trackers[len(self.retrieval)].path_scores(min(budget, self.model.cost.block))
-            ranked += [(-score, depth, 1, depth) for depth, score in enumerate(model_scores, start=1)
+            model_scores = self.trackers[len(self.retrieval)].path_scores(min(limit, self.model.cost.block))
+            ranked += [(-score, depth, True, depth) for depth, score in enumerate(model_scores, start=1)
                        if score > self.model_per_token]
-        chosen = sorted(ranked)[:budget]
-        return {index for _, _, kind, index in chosen if kind == 0}, sum(kind for _, _, kind, _ in chosen)
+        return [(-negated, from_model, index) for negated, _, from_model, index in sorted(ranked)[:limit]]
+
+    def _allocate(self, trie: CandidateTrie, budget: int) -> tuple[set[int], int]:
+        """(the retrieval nodes kept, the model's node budget): the first `budget` of the ranking."""
+        chosen = self._ranking(trie, budget)
+        return {index for _, from_model, index in chosen if not from_model}, sum(from_model for _, from_model, _ in chosen)
 
     def _learn(self, result) -> None:
         """Each source's tracker learns from the last step as a chain would: the deepest node it
