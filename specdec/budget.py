@@ -356,19 +356,23 @@ class AutoBudget(BudgetPolicy):
         pending = seq.drafter.catch_up_tokens(seq.ctx)
         if pending <= 1:
             return 0.0
-        return seq.drafter.cost.per_token * self.cost.t(pending)
+        return seq.drafter.catch_up_price() * self.cost.t(pending)
 
     def pays_back(self, seq, budget: int, others: int) -> bool:
         """Whether drafting `budget` nodes now, catch-up included, is expected to save time within
         `payback_fraction` of the tokens left to max_new_tokens (answers often end early at EOS,
         see docs/results.md)."""
-        one_off_ms = self.catch_up_ms(seq)
-        if one_off_ms == 0.0:
+        if self.catch_up_ms(seq) == 0.0:
             return True
         per_node, per_step = self._draft_prices(seq)
         rates = tokens_per_ms(self._tracker(seq).path_scores(budget), self.cost, per_node, others, per_step)
+        return self._repays_catch_up(seq, rates[0], rates[budget])
+
+    def _repays_catch_up(self, seq, rate_instead: float, rate_drafting: float) -> bool:
+        """Whether a step at `rate_drafting` (this sequence's tokens per ms) rather than `rate_instead`
+        saves more than the catch-up costs within `payback_fraction` of the tokens left."""
         remaining = self.payback_fraction * (seq.max_new_tokens - seq.generated)
-        return one_off_ms < remaining * (1.0 / rates[0] - 1.0 / rates[budget])  # ms saved per token
+        return self.catch_up_ms(seq) < remaining * (1.0 / rate_instead - 1.0 / rate_drafting)  # ms saved per token
 
     def schedules(self, drafter) -> bool:
         """Whether this drafter's blocks are cut after drafting by their own confidences."""
@@ -416,7 +420,7 @@ class AutoBudget(BudgetPolicy):
                   for seq, limit in zip(seqs, limits)]
         if sum(seq.drafter is not None for seq in seqs) <= 1:
             return [0 if seq.drafter is None else self._single(seq, len(seqs) - 1) if offer is None
-                    else self._offered(offer, len(seqs) - 1) for seq, offer in zip(seqs, offers)]
+                    else self._offered(seq, offer, limit, len(seqs) - 1) for seq, offer, limit in zip(seqs, offers, limits)]
         # several sequences share the forward: admit draft positions across all of them in order
         # of expected survival while expected tokens per second still rises (load-aware); the
         # sequences whose drafter offers its nodes (priced one by one) are planned after them
@@ -431,17 +435,32 @@ class AutoBudget(BudgetPolicy):
         total = len(seqs) + sum(budgets)
         for row, offer in enumerate(offers):
             if offer is not None:
-                budgets[row] = self._offered(offer, total - 1)
+                budgets[row] = self._offered(seqs[row], offer, limits[row], total - 1)
                 total += budgets[row]
         return budgets
 
-    def _offered(self, offer: list[tuple[float, float]], others: int) -> int:
+    def _offered(self, seq, offer: list[tuple[float, float]], limit: int, others: int) -> int:
         """How much of a drafter's offer (Drafter.offered_paths: its nodes best first, with their
         drafting prices in target steps) to draft: the prefix that earns the most tokens per ms of
-        the forward, every node priced at its drafting and its share of the verify."""
+        the forward, every node priced at its drafting and its share of the verify. A prefix with
+        paid nodes also runs the paid part's catch-up (a hybrid's model feeding the prompt): when
+        that does not repay against the free nodes alone, the drafter is asked for those instead."""
+        chosen, rate = self._best_prefix(offer, others)
+        if not any(price > 0 for _, price in offer[:chosen]) or self.catch_up_ms(seq) == 0.0:
+            return chosen
+        instead, rate_instead = self._best_prefix(seq.drafter.offered_paths(seq.ctx, limit, paid=False), others)
+        if self._repays_catch_up(seq, rate_instead, rate):
+            seq.drafter.offered_paths(seq.ctx, limit)  # the paid offer again: the proposal holds its prefix
+            return chosen
+        return instead
+
+    def _best_prefix(self, offer: list[tuple[float, float]], others: int) -> tuple[int, float]:
+        """(nodes, this sequence's tokens per ms) of the offer's prefix that earns the most tokens
+        per ms of the forward (`choose_budget`, whole_forward), every node priced at its drafting."""
         scores = [score for score, _ in offer]
         node_ms = [price * self.cost.t(1) for _, price in offer]
-        return choose_budget(scores, self.cost, node_ms, len(offer), others, whole_forward=True)
+        chosen = choose_budget(scores, self.cost, node_ms, len(offer), others, whole_forward=True)
+        return chosen, tokens_per_ms(scores[:chosen], self.cost, node_ms[:chosen], others)[chosen]
 
     def _block(self, seq, others: int) -> int:
         """A drafter that scores its own positions drafts its whole block (verify_prefixes then cuts

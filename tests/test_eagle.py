@@ -5,6 +5,7 @@ q is caught), the export layout SGLang / vLLM load, and the CLI end to end.
 Uses the "counter" target of train_support.py (greedy decoding walks a cycle of tokens).
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -158,6 +159,9 @@ def test_greedy_under_the_cost_model_equals_plain(counter, trained, kind):
     # forwards far slower than the tiny drafter's steps: the budget follows the acceptance estimates
     table = CostTable({}, [1, 2, 4, 8, 13, 256], [1000.0, 1040.0, 1100.0, 1250.0, 1400.0, 14000.0])
     drafter = DRAFTERS[kind](counter, checkpoint=str(trained[kind][0]))
+    # priced as it runs (~1 ms a step against the table's 1 s forwards), not by its parameter count
+    # (0.5 of the tiny target's): its prompt feed is then worth paying before the first draft
+    drafter.cost = dataclasses.replace(drafter.cost, per_token=0.001)
     policy = AutoBudget(table, max_budget=12)
     plain = generate(counter, [5, 6, 7, 8], max_new_tokens=40)
     spec = run(counter, [[5, 6, 7, 8]], drafter, 40, SamplingParams(), (), policy).finish()[0]

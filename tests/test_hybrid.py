@@ -265,8 +265,8 @@ def test_a_checkpoint_s_held_out_top1_is_the_model_s_starting_estimate(tiny_targ
 
 def test_a_chained_head_feeds_its_rows_only_when_it_drafts(tiny_target):
     """EAGLE's runner holds the target rows while it does not draft (the hybrid ran its retrieval
-    alone) and feeds them in its next draft: one module forward (the prompt's rows), none on the
-    steps without a draft."""
+    alone), the prompt's included, and feeds them in its next draft: a request it never drafts in
+    runs no module forward at all."""
     from test_head_drafter import RANKED, random_module
 
     from specdec.drafters.eagle import Eagle3Drafter
@@ -279,8 +279,44 @@ def test_a_chained_head_feeds_its_rows_only_when_it_drafts(tiny_target):
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
     result = generate(tiny_target, prompt, drafter, max_new_tokens=12)
     assert result.tokens == generate(tiny_target, prompt, None, max_new_tokens=12).tokens
-    assert len(forwards) == 1 and result.stats.drafted_by_source.get("eagle3", 0) == 0
+    assert not forwards and result.stats.drafted_by_source.get("eagle3", 0) == 0
     drafter.model_per_token = 0.0  # now it drafts: the held rows are fed first, and the output stays plain's
     result = generate(tiny_target, prompt, drafter, max_new_tokens=12)
     assert result.tokens == generate(tiny_target, prompt, None, max_new_tokens=12).tokens
     assert len(forwards) > 2 and result.stats.drafted_by_source.get("eagle3", 0) > 0
+
+
+def test_the_model_s_prompt_feed_is_drafted_only_when_it_repays(tiny_target):
+    """Under --gamma auto a step with model slots also pays the model's catch-up (an EAGLE head
+    feeding the prompt's rows: one prefill-sized forward). The two cost tables agree on every verify
+    size the steps use (1-9 tokens) and differ on the prompt-sized forward: where feeding the prompt
+    costs more than the model's slots can save in the tokens left, the model never runs (no module
+    forward at all) and the free matches still draft; where it is cheap, the model drafts. Output =
+    plain each time."""
+    from test_head_drafter import RANKED, random_module
+
+    from specdec.budget import AutoBudget
+    from specdec.cost import CostTable
+    from specdec.drafters.eagle import Eagle3Drafter
+    from specdec.loop import run
+
+    ks = [1, 2, 4, 8, 16, 64]
+    verify_ms = [100.0, 101.0, 103.0, 107.0]
+    cheap_feed = CostTable({}, ks, verify_ms + [115.0, 170.0])
+    dear_feed = CostTable({}, ks, verify_ms + [50_000.0, 200_000.0])
+    lead_in = [20, 21] * 8
+    prompt = lead_in + generate(tiny_target, lead_in, None, max_new_tokens=24).tokens  # it repeats short n-grams
+    plain = generate(tiny_target, prompt, None, max_new_tokens=12).tokens
+    drafted, forwards = {}, {}
+    for case, table in (("dear", dear_feed), ("cheap", cheap_feed)):
+        model = Eagle3Drafter.from_module(tiny_target, random_module("eagle3", tiny_target),
+                                          rank_acc=[[0.9, 0.1], [0.9, 0.1]], draft_vocab_ids=RANKED)
+        forwards[case] = []
+        step = model.heads.step
+        model.heads.step = lambda *args, _log=forwards[case], _step=step, **kwargs: _log.append(1) or _step(*args, **kwargs)
+        drafter = HybridDrafter(tiny_target, sources="suffix,pld", model=model, model_per_token=0.05)
+        (result,) = run(tiny_target, [prompt], drafter, 12, SamplingParams(), (), AutoBudget(table, max_budget=8)).finish()
+        assert result.tokens == plain
+        drafted[case] = result.stats.drafted_by_source
+    assert drafted["dear"].get("eagle3", 0) == 0 and not forwards["dear"] and drafted["dear"].get("suffix", 0) > 0
+    assert drafted["cheap"].get("eagle3", 0) > 0 and forwards["cheap"]

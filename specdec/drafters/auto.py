@@ -12,8 +12,9 @@ What an arm earns is measured, not modelled: after the verify, the arm that draf
 tokens the step emitted (its accepted draft tokens + the bonus) and the step's wall time, from the
 start of its drafting to the drafter's `on_verified` (drafting + the verify forward + commit: the
 step cost on this machine, at this batch size), both as exponentially decayed sums (`decay` per
-step the arm runs); its rate is tokens / ms. An arm's first step in a request is not timed (a draft
-model prefills the prompt then). A step whose arm drafted nothing (retrieval found no match, or the
+step the arm runs); its rate is tokens / ms. An arm's first step in a request is not timed, nor a
+step that began by feeding more than a block of catch-up (a draft model or EAGLE head feeding the
+prompt, or the rows it held while other arms ran): one-off work, which the budget policy prices. A step whose arm drafted nothing (retrieval found no match, or the
 budget policy gave it no nodes) is a plain decoding step, so it is plain's measurement too: plain
 earns it as well, and needs no steps of its own to be measured where the others often draft nothing.
 The choice: every arm runs `warmup` steps in turn (plain last unless `methods` lists `plain`
@@ -176,8 +177,8 @@ class AutoDrafter(Drafter):
         self.step = 0
         # the arms that warm up: those no earlier step of this drafter measured
         self.warming = [arm for arm in self.arms if not arm.population.steps]
-        # the arm drafting this step, its start (perf_counter s), and whether it drafted any node
-        self.running: tuple[ArmRecord, float, bool] | None = None
+        # the arm drafting this step, its start (perf_counter s), whether it drafted any node, whether the step is timed
+        self.running: tuple[ArmRecord, float, bool, bool] | None = None
 
     @property
     def plain(self) -> ArmRecord:
@@ -222,21 +223,32 @@ class AutoDrafter(Drafter):
         best = max(self.arms, key=lambda arm: arm.rate())
         return max(free, key=lambda arm: arm.rate()) if best.drafter is None and free else best
 
-    def offered_paths(self, ctx: DraftContext, limit: int) -> list[tuple[float, float]] | None:
+    def offered_paths(self, ctx: DraftContext, limit: int, paid: bool = True) -> list[tuple[float, float]] | None:
         """The offer of the arm this step will run (choose() reads earlier steps only); None for an arm
         that offers none (the policy plans it by its record)."""
         drafter = self.choose().drafter
-        return None if drafter is None else drafter.offered_paths(ctx, min(limit, drafter.cost.block))
+        return None if drafter is None else drafter.offered_paths(ctx, min(limit, drafter.cost.block), paid)
+
+    def catch_up_tokens(self, ctx: DraftContext) -> int:
+        """The catch-up of the arm this step will run (a model arm's rows held while others ran)."""
+        drafter = self.choose().drafter
+        return 0 if drafter is None else drafter.catch_up_tokens(ctx)
+
+    def catch_up_price(self) -> float:
+        drafter = self.choose().drafter
+        return 0.0 if drafter is None else drafter.catch_up_price()
 
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
         start = time.perf_counter()
         arm = self.choose()
-        self.running = (arm, start, False)
+        self.running = (arm, start, False, arm.runs > 0)
         arm.last_run, self.step = self.step, self.step + 1
         if arm.drafter is None or budget <= 0:
             return Draft.empty()
+        pending = arm.drafter.catch_up_tokens(ctx)
         draft = arm.drafter.propose(ctx, min(budget, arm.drafter.cost.block))
-        self.running = (arm, start, len(draft) > 0)
+        one_off = pending - arm.drafter.catch_up_tokens(ctx) > arm.drafter.cost.block + 1  # fed a catch-up
+        self.running = (arm, start, len(draft) > 0, arm.runs > 0 and not one_off)
         if draft.sources is not None:
             credited = tuple(f"{arm.name}:{source}" for source in draft.sources)
         else:
@@ -245,9 +257,9 @@ class AutoDrafter(Drafter):
 
     def on_verified(self, result, ctx: DraftContext) -> None:
         if self.running is not None:
-            arm, start, drafted = self.running
+            arm, start, drafted, timed = self.running
             self.running = None
-            if arm.runs:  # an arm's first step includes one-off work (a draft model's prompt prefill)
+            if timed:
                 ms = 1000.0 * (time.perf_counter() - start)
                 # an empty draft was a plain decoding step: plain's measurement as well as the arm's
                 for earner in (arm,) if drafted or arm.drafter is None else (arm, self.plain):

@@ -113,7 +113,7 @@ class Drafter(ABC):
         (a composite's sources); none by default."""
         return []
 
-    def offered_paths(self, ctx: DraftContext, limit: int) -> list[tuple[float, float]] | None:
+    def offered_paths(self, ctx: DraftContext, limit: int, paid: bool = True) -> list[tuple[float, float]] | None:
         """The nodes this step's proposal would hold, best first (at most `limit`), known before
         drafting: (path score: estimated P(the node's whole path is accepted), drafting price of the
         node in target decode steps). The budget policy verifies the prefix that earns the most
@@ -121,8 +121,10 @@ class Drafter(ABC):
         `propose(ctx, n)` then holds exactly the first n. A composite offers this (a hybrid: its
         retrieval matches, found and free, and its model's chain slots at the model's price), so a
         paid part that does not pay never switches the free part off. Scores must come from
-        pre-draft information (docs/architecture.md). Default: None (the policy plans the drafter
-        by its record of earlier steps)."""
+        pre-draft information (docs/architecture.md). `paid=False`: the nodes that cost nothing to
+        draft alone (the policy declines the paid part this step: its catch-up would not repay);
+        the next `propose` holds the first n of the latest offer. Default: None (the policy plans
+        the drafter by its record of earlier steps)."""
         return None
 
     def catch_up_tokens(self, ctx: DraftContext) -> int:
@@ -131,6 +133,11 @@ class Drafter(ABC):
         about `cost.per_token` of a target token in a prefill-sized forward; the budget
         policy weighs this one-off cost against the expected saving. 0: no such cache."""
         return 0
+
+    def catch_up_price(self) -> float:
+        """A catch-up token's price in target steps of a forward that size: `cost.per_token` (a
+        composite that delegates answers for the part that would run)."""
+        return self.cost.per_token
 
 
 DRAFTERS: dict[str, type[Drafter]] = {}  # every registered drafter by name: what make_drafter builds

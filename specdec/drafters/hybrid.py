@@ -21,8 +21,9 @@ model slots at `model_per_token`) and keeps the prefix that earns the most token
 node's drafting and verify cost priced, so a model slot enters only when it pays for both, and a
 model drafter that does not pay never switches the free matches off; with a fixed gamma the step
 holds the first gamma. The model runs only when at least one of its slots is in the prefix, asked
-for exactly that many nodes; the catch-up of its own cache (a draft model prefilling the prompt) is
-paid on its first run and not priced here (`catch_up_tokens` is 0).
+for exactly that many nodes. Its catch-up (the rows or tokens its own cache has not fed: the
+prompt before its first run) is the hybrid's `catch_up_tokens`: the policy drafts model slots only
+when they repay it, else the free matches alone.
 
 Why the merged tree stays exact (the rule of specdec.verify relied on): verify_tree tries a node's
 children in node order against the current residual, and a child's `draft_probs` row must be the
@@ -224,6 +225,7 @@ class HybridDrafter(Drafter):
             self.trackers.append(AcceptanceTracker() if prior is None else AcceptanceTracker(prior=prior))
         self.last_step: tuple[CandidateTrie, list[int]] | None = None  # (trie, the trie node of each draft node)
         self.found: tuple[int, int, CandidateTrie] | None = None  # (committed tokens, limit, retrieval trie) of this step
+        self.model_slots = True  # whether this step's ranking holds the model's slots (offered_paths' `paid`)
 
     def for_sequence(self) -> HybridDrafter:
         fresh = copy.copy(self)
@@ -247,11 +249,17 @@ class HybridDrafter(Drafter):
         for drafter in self.parts():
             drafter.on_finished(result, ctx)
 
+    def catch_up_tokens(self, ctx: DraftContext) -> int:
+        """The model's (the retrieval sources keep no model cache), paid by a step with model slots."""
+        return 0 if self.model is None else self.model.catch_up_tokens(ctx)
+
     # ------------------------------------------------------------------ drafting
-    def offered_paths(self, ctx: DraftContext, limit: int) -> list[tuple[float, float]]:
+    def offered_paths(self, ctx: DraftContext, limit: int, paid: bool = True) -> list[tuple[float, float]]:
         """The step's ranking (`_ranking`), each node at its price: a retrieval node is found already
         (price 0), a model slot costs `model_per_token`. The budget policy keeps the prefix worth its
-        drafting and verify cost, and `propose` fills exactly that prefix (Drafter.offered_paths)."""
+        drafting and verify cost, and `propose` fills exactly that prefix (Drafter.offered_paths);
+        `paid=False` leaves the model's slots out of the ranking, this one and the proposal's."""
+        self.model_slots = paid
         return [(score, self.model_per_token if from_model else 0.0)
                 for score, from_model, _ in self._ranking(self._retrieval_trie(ctx, limit), limit)]
 
@@ -272,6 +280,7 @@ class HybridDrafter(Drafter):
             return Draft.empty()
         trie, self.found = self._retrieval_trie(ctx, budget), None  # the model's nodes join it: used once
         kept, model_nodes = self._allocate(trie, budget)
+        self.model_slots = True  # declined for one step at most
         if model_nodes:
             model = len(self.retrieval)
             draft = self.model.propose(ctx, model_nodes)
@@ -286,7 +295,7 @@ class HybridDrafter(Drafter):
         (score > `model_per_token`), by pre-draft score (ties: shallower first, then retrieval).
         Scores never rise along a path, so every prefix of the ranking holds its nodes' ancestors."""
         ranked = [(-node.score, node.depth, False, index) for index, node in enumerate(trie.nodes)]
-        if self.model is not None:
+        if self.model is not None and self.model_slots:
             model_scores = self.trackers[len(self.retrieval)].path_scores(min(limit, self.model.cost.block))
             ranked += [(-score, depth, True, depth) for depth, score in enumerate(model_scores, start=1)
                        if score > self.model_per_token]
