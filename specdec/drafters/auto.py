@@ -14,7 +14,8 @@ start of its drafting to the drafter's `on_verified` (drafting + the verify forw
 step cost on this machine, at this batch size), both as exponentially decayed sums (`decay` per
 step the arm runs); its rate is tokens / ms. An arm's first step in a request is not timed, nor a
 step that began by feeding more than a block of catch-up (a draft model or EAGLE head feeding the
-prompt, or the rows it held while other arms ran): one-off work, which the budget policy prices. A step whose arm drafted nothing (retrieval found no match, or the
+prompt, or the rows it held while other arms ran): one-off work, which the budget policy prices.
+A step whose arm drafted nothing (retrieval found no match, or the
 budget policy gave it no nodes) is a plain decoding step, so it is plain's measurement too: plain
 earns it as well, and needs no steps of its own to be measured where the others often draft nothing.
 The choice: every arm runs `warmup` steps in turn (plain last unless `methods` lists `plain`
@@ -235,6 +236,7 @@ class AutoDrafter(Drafter):
         return 0 if drafter is None else drafter.catch_up_tokens(ctx)
 
     def catch_up_price(self) -> float:
+        """The price of that arm's catch-up tokens (its own `cost.per_token`, not the cheapest arm's)."""
         drafter = self.choose().drafter
         return 0.0 if drafter is None else drafter.catch_up_price()
 
