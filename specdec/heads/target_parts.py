@@ -156,5 +156,8 @@ def draft_linears(heads: nn.Module, vocab: DraftVocab, draft_weights: str) -> st
     except KernelUnavailable:
         backend = make_backend("torch").backend
     fast_linear_modules(heads, backend=backend)  # one backend (one int8 copy cache) for the module and its LM rows
+    for module in heads.modules():  # the module's int8 copies at load, not in a request's first draft
+        if isinstance(module, nn.Linear):
+            backend.prepare(module.weight)
     vocab.parts = vocab.parts.with_linear_backend(backend)
     return backend.name

@@ -71,6 +71,9 @@ class TorchLinear:
     def batch_invariant(self, dtype: torch.dtype) -> bool:
         return False
 
+    def prepare(self, weight: torch.Tensor) -> None:
+        """Make now whatever the first `linear` with `weight` would make (nothing here)."""
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
@@ -91,6 +94,9 @@ class RowwiseTorchLinear:
     def batch_invariant(self, dtype: torch.dtype) -> bool:
         return True
 
+    def prepare(self, weight: torch.Tensor) -> None:
+        pass  # nothing made on first use
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])  # [M, K]
         rows = [F.linear(x2d[i : i + 1], weight, bias) for i in range(x2d.shape[0])]  # M x [1, N]
@@ -108,6 +114,9 @@ class _CompiledBackend:
 
     def __deepcopy__(self, memo):
         return self
+
+    def prepare(self, weight: torch.Tensor) -> None:
+        """Make now whatever the first `linear` with `weight` would make (the fp32 kernel: nothing)."""
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """The kernel's batch-invariant attention for fp32 CPU inference (shapes as sdpa_attention);
@@ -209,6 +218,10 @@ class Int8SkinnyLinear(_CompiledBackend):
                 entry = (version, *quantize_int8(weight))
             self._quantized[id(weight)] = entry
         return entry[1], entry[2]
+
+    def prepare(self, weight: torch.Tensor) -> None:
+        """The int8 copy now (at load) rather than in the first call (a request's first draft)."""
+        self.quantized(weight)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not CppSkinnyLinear._kernel_applies(x, weight, bias):
