@@ -416,6 +416,8 @@ class AutoBudget(BudgetPolicy):
             return [self._block(seq, others) if self.schedules(seq.drafter) else self.max_budget_for(seq.drafter)
                     for seq in seqs]
         limits = [self.max_budget_for(seq.drafter) for seq in seqs]
+        for seq in seqs:  # what a drafter timing its own work prices it against (DraftContext.step_ms)
+            seq.ctx.step_ms = self.cost.t(1)
         offers = [None if seq.drafter is None else seq.drafter.offered_paths(seq.ctx, limit)
                   for seq, limit in zip(seqs, limits)]
         if sum(seq.drafter is not None for seq in seqs) <= 1:

@@ -320,3 +320,36 @@ def test_the_model_s_prompt_feed_is_drafted_only_when_it_repays(tiny_target):
         drafted[case] = result.stats.drafted_by_source
     assert drafted["dear"].get("eagle3", 0) == 0 and not forwards["dear"] and drafted["dear"].get("suffix", 0) > 0
     assert drafted["cheap"].get("eagle3", 0) > 0 and forwards["cheap"]
+
+
+def test_the_model_s_slots_are_priced_at_its_measured_time(tiny_target):
+    """Under --gamma auto the model's slots cost what its drafting measured inside the hybrid, in
+    target steps of the cost table (DraftContext.step_ms), not what it states. The model is the
+    oracle (always accepted, states it drafts for free, really runs the target per token): against
+    a target whose steps the table says take 0.01 ms its measured node costs many steps and it
+    drafts once, then the free matches alone; against one whose steps take 100 s it is nearly free
+    and drafts every step. Output = plain each time."""
+    from specdec.budget import AutoBudget
+    from specdec.cost import CostTable
+    from specdec.loop import run
+
+    ks = [1, 2, 4, 8, 16, 64]
+    step_ms = [100.0, 101.0, 103.0, 107.0, 115.0, 170.0]
+    prompt = [20, 21] * 8
+    plain = generate(tiny_target, prompt, None, max_new_tokens=16).tokens
+    drafted, measured = {}, {}
+    for case, scale in (("fast target", 1e-4), ("slow target", 1e3)):
+        drafter = HybridDrafter(tiny_target, sources="suffix,pld", model=make_drafter("oracle", tiny_target, gamma=4))
+        assert drafter.cost.per_token == 0.0  # the stated price: the prior
+        sequences = []  # the request's own copy: it measures the model in this request
+        for_sequence = drafter.for_sequence
+        drafter.for_sequence = lambda: sequences.append(for_sequence()) or sequences[-1]
+        table = CostTable({}, ks, [scale * ms for ms in step_ms])
+        (result,) = run(tiny_target, [prompt], drafter, 16, SamplingParams(), (), AutoBudget(table, max_budget=8)).finish()
+        assert result.tokens == plain
+        drafted[case] = result.stats.drafted_by_source.get("oracle", 0)
+        measured[case] = (sequences, table.t(1))
+    assert 1 <= drafted["fast target"] <= 4  # one step of the model, then never again
+    assert drafted["slow target"] >= 8
+    prices = {case: sequence.model_timing.ms_per_node() / step for case, ((sequence,), step) in measured.items()}
+    assert prices["fast target"] > 1.0 > 1e-3 > prices["slow target"]

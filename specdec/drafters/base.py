@@ -49,6 +49,10 @@ class DraftContext:
     # after the prefill: the prompt rows [P, V]); only filled for drafters with
     # `wants_node_logits = True` (Lookahead harvests n-grams from them, training data records labels)
     all_node_logits: torch.Tensor | None = None
+    # one target decode step's ms on this machine (the budget policy's measured T(1)), set when a cost
+    # model plans the step: what a drafter that times its own work divides by to state a price in
+    # target steps (a hybrid's model slots); None: no cost model
+    step_ms: float | None = None
 
     @property
     def output_tokens(self) -> list[int]:

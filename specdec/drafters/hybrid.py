@@ -13,11 +13,13 @@ checkpoint's held-out acceptance, `Drafter.held_out_acceptance`, when known). A 
 source's path score at the node's depth (a merged node: the best of its sources'), which is
 information from before this step's drafting. The step's candidates are ranked best first by score
 (ties: shallower, then retrieval before the model): the retrieval nodes and the model's prospective
-chain slots, a slot at depth d only when it could pay for its drafting, s_d > `model_per_token`
-(default: the model drafter's `cost.per_token`, a drafted token's cost in target steps, against the
-~one target step an accepted token saves). A step holds a prefix of that ranking. Under `--gamma
+chain slots, a slot at depth d only when it could pay for its drafting, s_d > the model's price
+(a drafted token's cost in target steps, against the ~one target step an accepted token saves:
+`model_per_token` when given, else measured: the model's ms per node drafted in this hybrid,
+decayed over its steps in this request, over the target's step ms that the cost model states,
+`DraftContext.step_ms`; the model's own `cost.per_token` until both are known). A step holds a prefix of that ranking. Under `--gamma
 auto` the policy sees the ranking before drafting (`offered_paths`: retrieval nodes at price 0,
-model slots at `model_per_token`) and keeps the prefix that earns the most tokens per ms with every
+model slots at the model's price) and keeps the prefix that earns the most tokens per ms with every
 node's drafting and verify cost priced, so a model slot enters only when it pays for both, and a
 model drafter that does not pay never switches the free matches off; with a fixed gamma the step
 holds the first gamma. The model runs only when at least one of its slots is in the prefix, asked
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import re
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -140,6 +143,21 @@ class CandidateTrie:
         return draft, order
 
 
+@dataclass
+class DraftTiming:
+    """Decayed sums of a model drafter's measured drafting: wall ms and the nodes it drafted."""
+
+    ms: float = 0.0
+    nodes: float = 0.0
+
+    def add(self, ms: float, nodes: int, decay: float = 0.9) -> None:
+        self.ms = decay * self.ms + ms
+        self.nodes = decay * self.nodes + nodes
+
+    def ms_per_node(self) -> float | None:
+        return self.ms / self.nodes if self.nodes > 0 else None
+
+
 @register_drafter
 class HybridDrafter(Drafter):
     """One tree per step from retrieval sources and an optional model drafter (module docstring).
@@ -154,9 +172,9 @@ class HybridDrafter(Drafter):
             KEY=VALUE pairs separated by `,` or `;` (rest needs datastore=DIR), or a dict (API).
             A source drafts at most its own block (`gamma`) per step.
         gamma: draft nodes per step when no cost model decides.
-        model_per_token: a model-drafted token's price in target steps (default: the model
-            drafter's own `cost.per_token`); a model slot is a candidate only when its estimated
-            path acceptance exceeds it (under `--gamma auto` it must also pay for its verify).
+        model_per_token: a model-drafted token's price in target steps, fixed (default: measured,
+            see the module docstring); a model slot is a candidate only when its estimated path
+            acceptance exceeds it (under `--gamma auto` it must also pay for its verify).
     """
 
     name = "hybrid"
@@ -185,15 +203,15 @@ class HybridDrafter(Drafter):
             built = drafter_class(model)(target=target, **sub_drafter_options(model, model_options))
         self.model = built
         self.source_names = names + ([model] if model else [])
-        if model_per_token is None:
-            model_per_token = self.model.cost.per_token if self.model is not None else 0.0
-        if isinstance(model_per_token, bool) or not isinstance(model_per_token, (int, float)) or not model_per_token >= 0:
+        if model_per_token is not None and (isinstance(model_per_token, bool) or not isinstance(model_per_token, (int, float))
+                                            or not model_per_token >= 0):
             raise ValueError(f"model_per_token must be a number >= 0 (target steps), got {model_per_token!r}")
-        self.model_per_token = float(model_per_token)
+        self.model_per_token = None if model_per_token is None else float(model_per_token)  # None: measured
+        prior = self.model_per_token if self.model_per_token is not None else self.model.cost.per_token if self.model else 0.0
         self.hidden_layers = tuple(self.model.hidden_layers) if self.model is not None else ()
         self.wants_node_logits = any(d.wants_node_logits for d in self.parts())
         # the prior of the auto policy's draft-cost measurement: the model's price when there is one
-        self.cost = DraftCost(block=check_int("gamma", gamma, 1, 1024), per_token=self.model_per_token, trees=True)
+        self.cost = DraftCost(block=check_int("gamma", gamma, 1, 1024), per_token=prior, trees=True)
         self._reset()
 
     @staticmethod
@@ -226,6 +244,9 @@ class HybridDrafter(Drafter):
         self.last_step: tuple[CandidateTrie, list[int]] | None = None  # (trie, the trie node of each draft node)
         self.found: tuple[int, int, CandidateTrie] | None = None  # (committed tokens, limit, retrieval trie) of this step
         self.model_slots = True  # whether this step's ranking holds the model's slots (offered_paths' `paid`)
+        # the model's drafting time in this request (per request, like the trackers: a slow outlier that
+        # priced the model out is forgotten by the next request)
+        self.model_timing = DraftTiming()
 
     def for_sequence(self) -> HybridDrafter:
         fresh = copy.copy(self)
@@ -249,6 +270,16 @@ class HybridDrafter(Drafter):
         for drafter in self.parts():
             drafter.on_finished(result, ctx)
 
+    def model_price(self, ctx: DraftContext) -> float:
+        """A model slot's price in target steps: `model_per_token` when given, else the model's measured
+        ms per node over the target's step ms (`ctx.step_ms`), its own `cost.per_token` until both are known."""
+        if self.model_per_token is not None:
+            return self.model_per_token
+        measured = self.model_timing.ms_per_node()
+        if measured is None or not ctx.step_ms:
+            return self.model.cost.per_token if self.model is not None else 0.0
+        return measured / ctx.step_ms
+
     def catch_up_tokens(self, ctx: DraftContext) -> int:
         """The model's (the retrieval sources keep no model cache), paid by a step with model slots."""
         return 0 if self.model is None else self.model.catch_up_tokens(ctx)
@@ -256,12 +287,13 @@ class HybridDrafter(Drafter):
     # ------------------------------------------------------------------ drafting
     def offered_paths(self, ctx: DraftContext, limit: int, paid: bool = True) -> list[tuple[float, float]]:
         """The step's ranking (`_ranking`), each node at its price: a retrieval node is found already
-        (price 0), a model slot costs `model_per_token`. The budget policy keeps the prefix worth its
+        (price 0), a model slot costs `model_price`. The budget policy keeps the prefix worth its
         drafting and verify cost, and `propose` fills exactly that prefix (Drafter.offered_paths);
         `paid=False` leaves the model's slots out of the ranking, this one and the proposal's."""
         self.model_slots = paid
-        return [(score, self.model_per_token if from_model else 0.0)
-                for score, from_model, _ in self._ranking(self._retrieval_trie(ctx, limit), limit)]
+        price = self.model_price(ctx)
+        return [(score, price if from_model else 0.0)
+                for score, from_model, _ in self._ranking(self._retrieval_trie(ctx, limit), limit, price)]
 
     def _retrieval_trie(self, ctx: DraftContext, limit: int) -> CandidateTrie:
         """The retrieval sources' candidates, merged; found once per step (a deterministic function
@@ -279,31 +311,35 @@ class HybridDrafter(Drafter):
         if budget <= 0:
             return Draft.empty()
         trie, self.found = self._retrieval_trie(ctx, budget), None  # the model's nodes join it: used once
-        kept, model_nodes = self._allocate(trie, budget)
+        kept, model_nodes = self._allocate(trie, budget, self.model_price(ctx))
         self.model_slots = True  # declined for one step at most
         if model_nodes:
             model = len(self.retrieval)
+            pending = self.model.catch_up_tokens(ctx)
+            start = time.perf_counter()
             draft = self.model.propose(ctx, model_nodes)
+            if len(draft) and pending <= self.model.cost.block + 1:  # a longer catch-up is one-off work, priced apart
+                self.model_timing.add(1000.0 * (time.perf_counter() - start), len(draft))
             kept.update(trie.add(draft, model, self.trackers[model].path_scores(model_nodes)))
         draft, order = trie.to_draft(kept, self.source_names)
         self.last_step = (trie, order)
         return draft
 
-    def _ranking(self, trie: CandidateTrie, limit: int) -> list[tuple[float, bool, int]]:
+    def _ranking(self, trie: CandidateTrie, limit: int, price: float) -> list[tuple[float, bool, int]]:
         """The `limit` best candidates, (score, is a model slot, trie node or model depth): the retrieval
         nodes and the model's chain slots (at most its block) that could pay for their drafting
-        (score > `model_per_token`), by pre-draft score (ties: shallower first, then retrieval).
+        (score > `price`, the model's), by pre-draft score (ties: shallower first, then retrieval).
         Scores never rise along a path, so every prefix of the ranking holds its nodes' ancestors."""
         ranked = [(-node.score, node.depth, False, index) for index, node in enumerate(trie.nodes)]
         if self.model is not None and self.model_slots:
             model_scores = self.trackers[len(self.retrieval)].path_scores(min(limit, self.model.cost.block))
             ranked += [(-score, depth, True, depth) for depth, score in enumerate(model_scores, start=1)
-                       if score > self.model_per_token]
+                       if score > price]
         return [(-negated, from_model, index) for negated, _, from_model, index in sorted(ranked)[:limit]]
 
-    def _allocate(self, trie: CandidateTrie, budget: int) -> tuple[set[int], int]:
+    def _allocate(self, trie: CandidateTrie, budget: int, price: float) -> tuple[set[int], int]:
         """(the retrieval nodes kept, the model's node budget): the first `budget` of the ranking."""
-        chosen = self._ranking(trie, budget)
+        chosen = self._ranking(trie, budget, price)
         return {index for _, from_model, index in chosen if not from_model}, sum(from_model for _, from_model, _ in chosen)
 
     def _learn(self, result) -> None:
