@@ -195,6 +195,12 @@ class AcceptanceTracker:
             self.accepted_weight[index] = self.decay * self.accepted_weight[index] + survival
             parent = survival
 
+    def forget(self) -> None:
+        """A step without an observation: the counts decay as an observation's step would, so an
+        estimate that shut its drafter out drifts back toward the prior and the drafter is tried again."""
+        self.reached_weight = [self.decay * weight for weight in self.reached_weight]
+        self.accepted_weight = [self.decay * weight for weight in self.accepted_weight]
+
     def probs(self, max_depth: int) -> list[float]:
         """Estimated a_1..a_max_depth."""
         if max_depth < 0:

@@ -353,3 +353,17 @@ def test_the_model_s_slots_are_priced_at_its_measured_time(tiny_target):
     assert drafted["slow target"] >= 8
     prices = {case: sequence.model_timing.ms_per_node() / step for case, ((sequence,), step) in measured.items()}
     assert prices["fast target"] > 1.0 > 1e-3 > prices["slow target"]
+
+
+def test_a_model_priced_out_is_tried_again_after_some_steps(tiny_target):
+    """A model whose estimate fell below its price (here: random tokens, never accepted, priced at
+    0.3 target steps) stops drafting; its tracker forgets a little on every step it sits out, so it
+    is tried again some steps later instead of never for the rest of the request. Output = plain."""
+    prompt = [5, 6, 7, 8]
+    plain = generate(tiny_target, prompt, None, max_new_tokens=48).tokens
+    drafter = HybridDrafter(tiny_target, sources="", model=make_drafter("random", tiny_target, gamma=4), model_per_token=0.3)
+    result = generate(tiny_target, prompt, drafter, max_new_tokens=48)
+    assert result.tokens == plain
+    assert result.stats.accepted_by_source.get("random", 0) == 0
+    # before the first drop: 2 + 1 + 1 nodes (estimates 0.6 / 0.4 / 0.304 at depth 1, then 0.247 < 0.3)
+    assert result.stats.drafted_by_source["random"] > 4, result.stats.drafted_by_source

@@ -344,15 +344,17 @@ class HybridDrafter(Drafter):
 
     def _learn(self, result) -> None:
         """Each source's tracker learns from the last step as a chain would: the deepest node it
-        proposed, and how far the accepted path ran through its nodes (they hang from the root)."""
-        if self.last_step is None:
-            return
-        trie, order = self.last_step
-        self.last_step = None
-        path = [trie.nodes[order[node]] for node in result.path]
+        proposed, and how far the accepted path ran through its nodes (they hang from the root). A
+        source that drafted nothing forgets a little (AcceptanceTracker.forget): a model whose
+        estimate fell below its price, or a match source ranked out of the budget, is tried again
+        after some steps instead of never (a re-entering model still repays its catch-up first)."""
+        step, self.last_step = self.last_step, None
+        trie, order = step if step is not None else (None, [])
+        path = [trie.nodes[order[node]] for node in result.path] if step is not None else []
         for source, tracker in enumerate(self.trackers):
             depths = [trie.nodes[n].depth for n in order if source in trie.nodes[n].sources]
             if not depths:
+                tracker.forget()
                 continue
             accepted = 0
             while accepted < len(path) and source in path[accepted].sources:
