@@ -73,7 +73,12 @@ inline __m256i scaled_pairs(__m256i acc, __m256i pairs, __m256i scale16) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpwssd_epi32(acc, pairs, scale16);
 #else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scale16));
+  __m256i sum = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scale16));
+  // integer adds are associative, so the compiler regroups a tile's adds into a tree of partial
+  // sums that outnumber the 16 ymm registers and spills them (~2 stack moves per product); the
+  // empty asm keeps each accumulator a running sum in its register (the same integers)
+  asm("" : "+x"(sum));
+  return sum;
 #endif
 }
 
@@ -123,14 +128,14 @@ inline __m512i neg_offset_lane_sums(__m512i x, int offset) {
 }
 #endif
 
-// K-quants: a super-block's update of the tile's outputs, one row at a time (the AVX2 build, and
-// 1-row tiles on the zmm build): `lanes` = each output's int32 lanes (8 per output), summed to ONE
-// integer total (any order gives the same integer); then acc = fma(float(total), d_w * dx, acc) and,
-// for Q4_K / Q5_K, acc = fnmadd(float(sum over sub-blocks of m * bsum), dmin * dx, acc), with 128-bit
-// ops over 4 columns (columns past NR are zero: d = dmin = 0). Row r's accumulators: a.saved +
-// r * row_floats, columns side by side.
+// K-quants: a super-block's update of the tile's outputs (the AVX2 build, and 1-row tiles on the
+// zmm build): `lanes` = each output's int32 lanes (8 per output), summed to ONE integer total (any
+// order gives the same integer); then acc = fma(float(total), d_w * dx, acc) and, for Q4_K / Q5_K,
+// acc = fnmadd(float(sum over sub-blocks of m * bsum), dmin * dx, acc), per lane (columns past NR
+// are zero: d = dmin = 0). Row r's accumulators: a.saved[4 r + c], so two rows fill one 256-bit
+// vector: rows go in pairs (an odd last row alone, in 128 bits), each lane the same float steps.
 template <typename Fmt, int MR, int NR, typename Scales>
-void k_quant_update_rows(const __m256i (&lanes)[MR][4], const Scales (&scales)[NR], const TileArgs& a, int64_t kb, int64_t row_floats) {
+void k_quant_update_rows(const __m256i (&lanes)[MR][4], const Scales (&scales)[NR], const TileArgs& a, int64_t kb) {
   auto d_of = [&](int c) { return c < NR ? scales[c].d : 0.0f; };
   const __m128 d_cols = _mm_setr_ps(d_of(0), d_of(1), d_of(2), d_of(3));
   [[maybe_unused]] __m256i m_cols[2];  // int16: columns 0, 1 | 2, 3
@@ -141,18 +146,41 @@ void k_quant_update_rows(const __m256i (&lanes)[MR][4], const Scales (&scales)[N
     m_cols[0] = _mm256_set_m128i(m_of(1), m_of(0)), m_cols[1] = _mm256_set_m128i(m_of(3), m_of(2));
     dmin_cols = _mm_setr_ps(dmin_of(0), dmin_of(1), dmin_of(2), dmin_of(3));
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) {
-    const A8Row row(a.xq + r * a.ldxq, a.K);
-    const __m128 dx = _mm_set1_ps(row.d[kb / Fmt::kA8Block]);
-    // hadd tree: lanes 0-3 of each half = the columns' partial sums, the halves added = totals
-    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[r][0], lanes[r][1]), _mm256_hadd_epi32(lanes[r][2], lanes[r][3]));
+  const uint64_t block = (uint64_t)kb / Fmt::kA8Block, sub = (uint64_t)kb / kA8Sub;
+  // hadd tree: lanes 0-3 of each half = the columns' partial sums (the halves added = totals)
+  auto halves = [&](int r) {
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[r][0], lanes[r][1]), _mm256_hadd_epi32(lanes[r][2], lanes[r][3]));
+  };
+  // Q4_K / Q5_K: a row's m . bsum per column in int32 pairs: low half columns 0, 2 / high 1, 3, twice
+  auto min_pairs = [&](int r) {
+    const __m256i bsum = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(A8Row(a.xq + r * a.ldxq, a.K).bsum + sub)));
+    return _mm256_hadd_epi32(_mm256_madd_epi16(m_cols[0], bsum), _mm256_madd_epi16(m_cols[1], bsum));
+  };
+  auto dx_of = [&](int r) { return A8Row(a.xq + r * a.ldxq, a.K).d[block]; };
+  int r = 0;
+#pragma GCC unroll 4
+  for (; r + 1 < MR; r += 2) {  // rows r, r + 1: lanes [row r's columns 0-3 | row r + 1's]
+    const __m256i h0 = halves(r), h1 = halves(r + 1);
+    const __m256i totals = _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
+    const __m256 dx = _mm256_set_m128(_mm_set1_ps(dx_of(r + 1)), _mm_set1_ps(dx_of(r)));
+    float* acc = a.saved + 4 * r;
+    __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals), _mm256_mul_ps(_mm256_set_m128(d_cols, d_cols), dx), _mm256_loadu_ps(acc));
+    if constexpr (Fmt::kHasMin) {
+      // lanes [r: c0, c2, r + 1: c0, c2 | r: c1, c3, r + 1: c1, c3] -> [r: c0-3 | r + 1: c0-3]
+      const __m256i m = _mm256_hadd_epi32(min_pairs(r), min_pairs(r + 1));
+      const __m256i msum = _mm256_permutevar8x32_epi32(m, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      sum = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(_mm256_set_m128(dmin_cols, dmin_cols), dx), sum);
+    }
+    _mm256_storeu_ps(acc, sum);
+  }
+  if constexpr (MR % 2) {  // the last row alone
+    const __m128 dx = _mm_set1_ps(dx_of(r));
+    const __m256i h = halves(r);
     const __m128i totals = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-    float* acc = a.saved + r * row_floats;  // the 4 columns' accumulators
+    float* acc = a.saved + 4 * r;
     __m128 sum = _mm_fmadd_ps(_mm_cvtepi32_ps(totals), _mm_mul_ps(d_cols, dx), _mm_loadu_ps(acc));
     if constexpr (Fmt::kHasMin) {
-      const __m256i bsum = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(row.bsum + kb / kA8Sub)));
-      __m256i m = _mm256_hadd_epi32(_mm256_madd_epi16(m_cols[0], bsum), _mm256_madd_epi16(m_cols[1], bsum));
+      __m256i m = min_pairs(r);
       m = _mm256_hadd_epi32(m, m);  // low half: columns 0, 2, high half: 1, 3
       const __m128i msum = _mm_unpacklo_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
       sum = _mm_fnmadd_ps(_mm_cvtepi32_ps(msum), _mm_mul_ps(dmin_cols, dx), sum);
@@ -233,9 +261,8 @@ void a8_tile(const TileArgs& a) {
 #pragma GCC unroll 8
       for (int c = 0; c < NR; ++c) _mm256_storeu_ps(acc_of(r, c), _mm256_setzero_ps());
     }
-#ifdef SG_A8_ZMM
-    _mm512_storeu_ps(saved, _mm512_setzero_ps());  // K-quants, 2-4 rows: the 16 lanes of k_quant_update16
-#endif
+    // K-quants: one float per output, saved[4 r + c] (k_quant_update16 / k_quant_update_rows)
+    _mm256_storeu_ps(saved, _mm256_setzero_ps()), _mm256_storeu_ps(saved + 8, _mm256_setzero_ps());
   }
   constexpr int kSubs = Fmt::kBlock / kA8Sub;
   // 32-weight formats: the float accumulators are updated every 32 weights, so they stay in
@@ -429,7 +456,7 @@ void a8_tile(const TileArgs& a) {
 #pragma GCC unroll 4
         for (int c = 0; c < 4; ++c)
           lanes[0][c] = c < NR ? _mm256_add_epi32(_mm512_castsi512_si256(isum2[0][c]), _mm512_extracti64x4_epi64(isum2[0][c], 1)) : _mm256_setzero_si256();
-        k_quant_update_rows<Fmt, MR, NR>(lanes, scales, a, kb, 0);
+        k_quant_update_rows<Fmt, MR, NR>(lanes, scales, a, kb);
       } else {
         k_quant_update16<Fmt, MR, NR>(isum2, scales, a, kb);
       }
@@ -500,7 +527,7 @@ void a8_tile(const TileArgs& a) {
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) lanes[r][c] = isum[r];
       }
-      k_quant_update_rows<Fmt, MR, NR>(lanes, scales, a, kb, kRowFloats);
+      k_quant_update_rows<Fmt, MR, NR>(lanes, scales, a, kb);
 #endif
     }
   }
@@ -528,11 +555,7 @@ void a8_tile(const TileArgs& a) {
         value = hsum256(_mm256_loadu_ps(acc_of(r, c)));
         if constexpr (Fmt::kHasMin) value += mins_of(r)[c];
       } else {
-#ifdef SG_A8_ZMM
-        value = saved[4 * r + c];  // K-quants: one float per output, min terms included (k_quant_update16)
-#else
-        value = acc_of(r, 0)[c];  // K-quants: one float per output, min terms included
-#endif
+        value = saved[4 * r + c];  // K-quants: one float per output, min terms included
       }
       if (a.bias) value += a.bias[c];
       a.y[r * a.ldy + c] = value;
