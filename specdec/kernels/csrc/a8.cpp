@@ -147,16 +147,24 @@ void k_quant_update_rows(const __m256i (&lanes)[MR][4], const Scales (&scales)[N
     dmin_cols = _mm_setr_ps(dmin_of(0), dmin_of(1), dmin_of(2), dmin_of(3));
   }
   const uint64_t block = (uint64_t)kb / Fmt::kA8Block, sub = (uint64_t)kb / kA8Sub;
+  // every row's scale and activation sums, read before the first store (which may alias them)
+  [[maybe_unused]] float dx_rows[MR];
+  [[maybe_unused]] __m256i bsum_rows[MR];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    const A8Row row(a.xq + r * a.ldxq, a.K);
+    dx_rows[r] = row.d[block];
+    if constexpr (Fmt::kHasMin) bsum_rows[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(row.bsum + sub)));
+  }
   // hadd tree: lanes 0-3 of each half = the columns' partial sums (the halves added = totals)
   auto halves = [&](int r) {
     return _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[r][0], lanes[r][1]), _mm256_hadd_epi32(lanes[r][2], lanes[r][3]));
   };
   // Q4_K / Q5_K: a row's m . bsum per column in int32 pairs: low half columns 0, 2 / high 1, 3, twice
   auto min_pairs = [&](int r) {
-    const __m256i bsum = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(A8Row(a.xq + r * a.ldxq, a.K).bsum + sub)));
-    return _mm256_hadd_epi32(_mm256_madd_epi16(m_cols[0], bsum), _mm256_madd_epi16(m_cols[1], bsum));
+    return _mm256_hadd_epi32(_mm256_madd_epi16(m_cols[0], bsum_rows[r]), _mm256_madd_epi16(m_cols[1], bsum_rows[r]));
   };
-  auto dx_of = [&](int r) { return A8Row(a.xq + r * a.ldxq, a.K).d[block]; };
+  auto dx_of = [&](int r) { return dx_rows[r]; };
   int r = 0;
 #pragma GCC unroll 4
   for (; r + 1 < MR; r += 2) {  // rows r, r + 1: lanes [row r's columns 0-3 | row r + 1's]
