@@ -227,7 +227,7 @@ class SkinnyGemmLibrary:
         row_bytes = int(self._lib.sg_a8_row_bytes(in_features))
         if row_bytes == 0 or block not in (32, 256) or in_features % block:
             raise ValueError(f"int8 activation blocks of {block} (32 or 256) need K a multiple of it, got {in_features}")
-        out = torch.empty((rows, row_bytes), dtype=torch.uint8)  # [M, K + 10 K / 32]
+        out = torch.empty((rows, row_bytes), dtype=torch.uint8)  # [M, K + 14 K / 32]: skinny_gemm.h, A8Row
         if self._lib.sg_quantize_a8(x.data_ptr(), rows, in_features, block, out.data_ptr()) != 0:
             raise RuntimeError(f"cannot quantize x {tuple(x.shape)}")
         scales = out[:, in_features : in_features + 4 * (in_features // 32)].contiguous().view(torch.float32)  # [M, K / 32]
