@@ -454,15 +454,16 @@ void a8_tile(const TileArgs& a) {
       }
       if constexpr (Fmt::kZmmOffset != 0) {
         static_assert(Fmt::kA8ScalePer16, "the offset term pairs a scale per 16 weights with x's sums per 16");
+        __m512i group_sums[MR];  // x's 16 sums per 16 weights of this super-block (the high half meets zeros)
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r)
+          group_sums[r] = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(A8Row(a.xq + r * a.ldxq, a.K).bsum16 + kb / 16)));
 #pragma GCC unroll 8
         for (int c = 0; c < NR; ++c) {  // -offset * scale per group in the low 256 bits, zero above
           const __m256i sc = _mm256_load_si256((const __m256i*)scales[c].sc);
           const __m512i neg_offset_scales = _mm512_zextsi256_si512(_mm256_mullo_epi16(sc, _mm256_set1_epi16((short)-Fmt::kZmmOffset)));
 #pragma GCC unroll 8
-          for (int r = 0; r < MR; ++r) {  // x's 16 group sums of this super-block (the high half meets zeros)
-            const __m256i group_sums = _mm256_loadu_si256((const __m256i*)(A8Row(a.xq + r * a.ldxq, a.K).bsum16 + kb / 16));
-            isum2[r][c] = _mm512_dpwssd_epi32(isum2[r][c], _mm512_castsi256_si512(group_sums), neg_offset_scales);
-          }
+          for (int r = 0; r < MR; ++r) isum2[r][c] = _mm512_dpwssd_epi32(isum2[r][c], group_sums[r], neg_offset_scales);
         }
       }
       if constexpr (MR == 1) {  // one row: the 128-bit update costs less than a 16-lane tree of mostly zeros
@@ -478,17 +479,14 @@ void a8_tile(const TileArgs& a) {
       // per output: 8 int32 lanes, lane j = sum over sub-blocks of sc * (bytes 4j..4j+3); columns past NR zero.
       // Columns outer, sub-blocks and rows inner: one column's MR sums, its quants and scales fit the 16
       // ymm registers (all MR x NR sums at once spilled every sub-block's products); x is re-read from L1.
-      // Signed quants (Q6_K) as unsigned q + kQuantOffset (maddubs wants one unsigned side): the int16
-      // pairs are q . x - offset . x, the offset pairs once per row and sub-block (exact: |pair| <=
-      // 2 * 63 * 127, no saturation), so the pairs are exactly (q - offset) . x, as the signed quants give
+      // Signed quants (Q6_K) as unsigned u = q + kQuantOffset (maddubs wants one unsigned side): the
+      // sums run on u (|pair| <= 2 * 63 * 127, no saturation), then one madd per output and super-block
+      // adds -offset * scale * (x's sum per 16-weight group): exactly the sums of (q - offset) . x
       constexpr int kOffset = Fmt::kQuantOffset;
-      [[maybe_unused]] __m256i offset_pairs[kOffset ? MR : 1][kOffset ? kSubs : 1];
-      if constexpr (kOffset != 0 && !rows_outer<Fmt>::value) {
+      [[maybe_unused]] const int16_t* group_sums[MR];  // each row's x sums per 16 weights of this super-block
+      if constexpr (kOffset != 0) {
 #pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 8
-          for (int sub = 0; sub < kSubs; ++sub)
-            offset_pairs[r][sub] = _mm256_maddubs_epi16(_mm256_set1_epi8(kOffset), load32(a.xq + r * a.ldxq + kb + kA8Sub * sub));
+        for (int r = 0; r < MR; ++r) group_sums[r] = A8Row(a.xq + r * a.ldxq, a.K).bsum16 + kb / 16;
       }
       __m256i lanes[MR][4];
       if constexpr (rows_outer<Fmt>::value) {  // the decoded scratch of many rows: all MR x NR sums per sub-block
@@ -531,11 +529,14 @@ void a8_tile(const TileArgs& a) {
             if constexpr (kOffset != 0) wq = _mm256_add_epi8(wq, _mm256_set1_epi8(kOffset));
             const __m256i scale16 = Fmt::a8_scale16(scales[c], sub);
 #pragma GCC unroll 8
-            for (int r = 0; r < MR; ++r) {
-              __m256i pairs = _mm256_maddubs_epi16(wq, load32(a.xq + r * a.ldxq + kb + kA8Sub * sub));
-              if constexpr (kOffset != 0) pairs = _mm256_sub_epi16(pairs, offset_pairs[r][sub]);
-              isum[r] = scaled_pairs(isum[r], pairs, scale16);
-            }
+            for (int r = 0; r < MR; ++r)
+              isum[r] = scaled_pairs(isum[r], _mm256_maddubs_epi16(wq, load32(a.xq + r * a.ldxq + kb + kA8Sub * sub)), scale16);
+          }
+          if constexpr (kOffset != 0) {  // a scale per 16 weights (Q6_K), -offset * scale fits int16
+            const __m256i neg_offset_scales = _mm256_mullo_epi16(_mm256_load_si256((const __m256i*)scales[c].sc), _mm256_set1_epi16((short)-kOffset));
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; ++r)
+              isum[r] = scaled_pairs(isum[r], _mm256_loadu_si256((const __m256i*)group_sums[r]), neg_offset_scales);
           }
         }
 #pragma GCC unroll 8
