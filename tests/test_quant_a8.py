@@ -119,6 +119,56 @@ def test_a8_kernel_equals_the_reference_on_the_same_int8_blocks(backend, name, r
             assert not torch.equal(out, GGUFLinear(blocks, qtype, in_features, bias, backend)(x))
 
 
+def extreme_k_quant_blocks(name: str, rows: int, in_features: int) -> torch.Tensor:
+    """K-quant blocks whose integer sums are as large as the format allows: every quant at its
+    maximum (Q6_K: half the rows at q - 32 = 31, half at -32) and every sub-block scale at its
+    largest magnitude (6-bit 63, or int8 127 / -128), with random finite fp16 super-block scales."""
+    blocks = random_blocks(name, rows, in_features, seed=31)
+    nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[name]][1]
+    blocks = blocks.view(rows, -1, nbytes).clone()  # [N, K / 256, bytes]
+    if name == "Q6_K":  # ql[128] qh[64] scales[16] d
+        blocks[0::2, :, :192] = 0xFF  # q = 63
+        blocks[1::2, :, :192] = 0x00  # q = 0
+        blocks[:, :, 192:208:2] = 127
+        blocks[:, :, 193:208:2] = torch.tensor(-128, dtype=torch.int8).view(torch.uint8)
+    else:  # d, dmin, 12 bytes of 6-bit scales and mins, then the quants (and Q5_K's fifth bits)
+        blocks[:, :, 4:] = 0xFF
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_a8_k_quants_equal_the_reference_at_the_largest_integer_sums(backend, name):
+    """Activations at +-amax in every position (|q| = 127) against the largest quants and scales:
+    each path's int16 and int32 intermediates (2 products per int16 lane, scale products, the Q6_K
+    offset term) must hold these sums exactly, for 1-row tiles, 4-row tiles and the decoded scratch."""
+    qtype, rows, in_features = KERNEL_TYPES[name], 21, 3 * 256
+    blocks = extreme_k_quant_blocks(name, rows, in_features)
+    library = backend.library
+    was_on = getattr(library, "amx", False)
+    if was_on:
+        library.set_amx(False)  # the VNNI path; AMX has its own test at the extremes
+    try:
+        layer = GGUFLinear(blocks, qtype, in_features, None, backend, activations="int8")
+        signs = torch.where(torch.rand(16, in_features, generator=torch.Generator().manual_seed(5)) < 0.5, -1.0, 1.0)
+        signs[0], signs[1] = 1.0, -1.0  # all one sign: the largest sums
+        x = 2.5 * signs  # [16, K]: every activation is its block's amax
+        for num_rows in (1, 3, 4, 8, 16):
+            out = layer(x[:num_rows])  # [num_rows, N]
+            q, d = library.quantize_a8(x[:num_rows], 256)
+            assert int(q.abs().min()) == 127
+            x_blocks = (q.double().view(num_rows, -1, 256) * d.double()[..., None]).view(num_rows, in_features)
+            weight = dequantize_blocks(blocks, qtype).double()  # [N, K]
+            expected = x_blocks @ weight.T
+            magnitude = x_blocks.abs() @ weight.abs().T
+            error = (out.double() - expected).abs()
+            assert bool((error <= A8_REL * magnitude + 1e-30).all()), (
+                f"{num_rows} rows: max error {float((error / magnitude.clamp_min(1e-30)).max()):.3g} of the magnitude"
+            )
+    finally:
+        if was_on:
+            library.set_amx(True)
+
+
 @pytest.mark.parametrize("name", list(KERNEL_TYPES))
 def test_a8_rows_are_bitwise_batch_and_thread_invariant(backend, name):
     qtype = KERNEL_TYPES[name]

@@ -512,8 +512,9 @@ struct Q6_KFormat {  // ql[128], qh[64], scales int8[16] (one per 16 weights), d
   // a8: sub-block `sub` = weights 32 sub .. + 31 (h = sub / 4, r = 32 (sub % 4)); an int8 scale per 16
   static constexpr int kA8Block = 256;
 #ifdef SG_A8_ZMM
-  // VNNI: decode once from 4 row blocks: its scratch saves the tile less (556 -> 468 instructions per
-  // super-block x 4 columns, the decode 212), and 2 blocks measured slower (1.5B T(8) 121 -> 124 ms)
+  // VNNI: decode once from 4 row blocks: its scratch saved the tile little (556 -> 468 instructions
+  // per super-block x 4 columns before the running sums, the decode 212), and 2 blocks measured
+  // slower (1.5B T(8) 121 -> 124 ms)
   static constexpr int64_t kA8DecodeOnceMinBlocks = 4;
 #else
   static constexpr int64_t kA8DecodeOnceMinBlocks = kDecodeOnceMinBlocks;
