@@ -426,44 +426,40 @@ void a8_tile(const TileArgs& a) {
       for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
         for (int c = 0; c < NR; ++c) isum2[r][c] = _mm512_setzero_si512();
-      // Unsigned quants u (Q4_K, Q5_K: the weights; Q6_K: q + kZmmOffset) against the signed
-      // activations: vpmaddubsw sums 2 byte products per int16 lane (|.| <= 2 * 63 * 127: no
-      // saturation) and vpdpwssd multiplies each lane by its scale into the running int32 sums, 2
-      // instructions per 64 weights and row (dpbusd from a zeroed start + packs + dpwssd took 3 and
-      // a register copy). Q6_K's offset: sum over its 16-weight groups of scale * offset * (x's
-      // group sum), subtracted by one more vpdpwssd per output and super-block (-offset * scale fits
-      // int16). The lanes group the products differently; each output's total over the super-block
-      // is the same integer. Columns outer, rows inner (x re-read from L1): MR * NR sums + one
-      // column's weights and scales stay in the 32 registers.
-      const __m512i lane16 = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
-                                              15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-#pragma GCC unroll 4
-      for (int pair = 0; pair < kSubs / 2; ++pair) {  // 64 weights: int16 lane j = weights 2j, 2j + 1
-        // lane j's scale: per 32 weights sub-block 2 pair + j / 16, per 16 group 4 pair + j / 8
-        const __m512i scale_index = Fmt::kA8ScalePer16 ? _mm512_add_epi16(_mm512_set1_epi16((short)(4 * pair)), _mm512_srli_epi16(lane16, 3))
-                                                       : _mm512_add_epi16(_mm512_set1_epi16((short)(2 * pair)), _mm512_srli_epi16(lane16, 4));
-        const uint8_t* xq = a.xq + kb + 2 * kA8Sub * pair;
-#pragma GCC unroll 8
-        for (int c = 0; c < NR; ++c) {
-          const __m512i w = Fmt::quants64(a.w + c * a.ldw + offset, pair);
-          const __m512i scale16 = _mm512_permutexvar_epi16(scale_index, _mm512_castsi256_si512(_mm256_load_si256((const __m256i*)scales[c].sc)));
-#pragma GCC unroll 8
-          for (int r = 0; r < MR; ++r)
-            isum2[r][c] = _mm512_dpwssd_epi32(isum2[r][c], _mm512_maddubs_epi16(w, _mm512_loadu_si512((const void*)(xq + r * a.ldxq))), scale16);
-        }
-      }
-      if constexpr (Fmt::kZmmOffset != 0) {
-        static_assert(Fmt::kA8ScalePer16, "the offset term pairs a scale per 16 weights with x's sums per 16");
-        __m512i group_sums[MR];  // x's 16 sums per 16 weights of this super-block (the high half meets zeros)
+#pragma GCC unroll 2
+      for (int quad = 0; quad < kSubs / 4; ++quad) {  // 128 weights: sub-block pairs 2 quad, 2 quad + 1
+        // dpbusd sums 4 byte products per int32 lane, each within int16 (|.| <= 4 * 63 * 127), so the
+        // two pairs' lanes pack into one vector of int16 (exact) and ONE dpwssd applies the
+        // sub-block scales: 3 multiply uops per 128 weights, where maddubs + dpwssd per pair take 4.
+        // Columns outer, rows inner (x re-read from L1): MR * NR sums + one column's weights and
+        // scales stay in the 32 registers, where all NR columns' would spill
+        const uint8_t* xq = a.xq + kb + 4 * kA8Sub * quad;
+        // where the dot products start: 0, or -kZmmOffset * (x sums per 4) so that each int32 lane is
+        // (q - offset) . x exactly (|.| <= 4 * 32 * 127: the packs below do not saturate)
+        __m512i start[MR][2];
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r)
-          group_sums[r] = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(A8Row(a.xq + r * a.ldxq, a.K).bsum16 + kb / 16)));
+#pragma GCC unroll 2
+          for (int half = 0; half < 2; ++half) {
+            start[r][half] = _mm512_setzero_si512();
+            if constexpr (Fmt::kZmmOffset != 0) {
+              const __m512i x = _mm512_loadu_si512((const void*)(xq + r * a.ldxq + 64 * half));
+              start[r][half] = neg_offset_lane_sums(x, Fmt::kZmmOffset);
+            }
+          }
+        const __m512i scale_index = quad_scale_index(quad, Fmt::kA8ScalePer16);
 #pragma GCC unroll 8
-        for (int c = 0; c < NR; ++c) {  // -offset * scale per group in the low 256 bits, zero above
-          const __m256i sc = _mm256_load_si256((const __m256i*)scales[c].sc);
-          const __m512i neg_offset_scales = _mm512_zextsi256_si512(_mm256_mullo_epi16(sc, _mm256_set1_epi16((short)-Fmt::kZmmOffset)));
+        for (int c = 0; c < NR; ++c) {
+          const __m512i w0 = Fmt::quants64(a.w + c * a.ldw + offset, 2 * quad);
+          const __m512i w1 = Fmt::quants64(a.w + c * a.ldw + offset, 2 * quad + 1);
+          const __m512i scale16 = _mm512_permutexvar_epi16(scale_index, _mm512_castsi256_si512(_mm256_load_si256((const __m256i*)scales[c].sc)));
 #pragma GCC unroll 8
-          for (int r = 0; r < MR; ++r) isum2[r][c] = _mm512_dpwssd_epi32(isum2[r][c], group_sums[r], neg_offset_scales);
+          for (int r = 0; r < MR; ++r) {
+            const __m512i x0 = _mm512_loadu_si512((const void*)(xq + r * a.ldxq));
+            const __m512i x1 = _mm512_loadu_si512((const void*)(xq + r * a.ldxq + 64));
+            const __m512i products = _mm512_packs_epi32(_mm512_dpbusd_epi32(start[r][0], w0, x0), _mm512_dpbusd_epi32(start[r][1], w1, x1));
+            isum2[r][c] = _mm512_dpwssd_epi32(isum2[r][c], products, scale16);
+          }
         }
       }
       if constexpr (MR == 1) {  // one row: the 128-bit update costs less than a 16-lane tree of mostly zeros

@@ -214,6 +214,15 @@ inline __m512i split_nibbles_pair(const uint8_t* p0, const uint8_t* p1) {
 inline __m512i load_pair64(const uint8_t* p0, const uint8_t* p1) {  // 32 bytes of each, p0's in the low half
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p0)), _mm256_loadu_si256((const __m256i*)p1), 1);
 }
+// The int16 lanes of _mm512_packs_epi32(dpbusd of pair 2 quad, dpbusd of pair 2 quad + 1): lanes 8k ..
+// 8k + 3 are 16-weight group 8 quad + k, lanes 8k + 4 .. 8k + 7 group 8 quad + 4 + k. -> the index of
+// each lane's scale in KQuantA8Scales::sc (a scale per 16 weights, or per 32: group / 2).
+inline __m512i quad_scale_index(int quad, bool per16) {
+  const __m512i group = _mm512_add_epi16(_mm512_setr_epi64(0x0000000000000000LL, 0x0004000400040004LL, 0x0001000100010001LL, 0x0005000500050005LL,
+                                                           0x0002000200020002LL, 0x0006000600060006LL, 0x0003000300030003LL, 0x0007000700070007LL),
+                                         _mm512_set1_epi16((short)(8 * quad)));
+  return per16 ? group : _mm512_srli_epi16(group, 1);
+}
 #endif
 
 // ---- decode once per row panel (Decoded, run_tiles): the row blocks (of MR rows) a panel needs
@@ -512,9 +521,8 @@ struct Q6_KFormat {  // ql[128], qh[64], scales int8[16] (one per 16 weights), d
   // a8: sub-block `sub` = weights 32 sub .. + 31 (h = sub / 4, r = 32 (sub % 4)); an int8 scale per 16
   static constexpr int kA8Block = 256;
 #ifdef SG_A8_ZMM
-  // VNNI: decode once from 4 row blocks: its scratch saved the tile little (556 -> 468 instructions
-  // per super-block x 4 columns before the running sums, the decode 212), and 2 blocks measured
-  // slower (1.5B T(8) 121 -> 124 ms)
+  // VNNI: decode once from 4 row blocks: its scratch saves the tile less (556 -> 468 instructions per
+  // super-block x 4 columns, the decode 212), and 2 blocks measured slower (1.5B T(8) 121 -> 124 ms)
   static constexpr int64_t kA8DecodeOnceMinBlocks = 4;
 #else
   static constexpr int64_t kA8DecodeOnceMinBlocks = kDecodeOnceMinBlocks;
@@ -579,7 +587,7 @@ struct TileArgs {
 // One activation row is, in bytes (K / 32 slots per table; K-quants use the first K / 256 d):
 //     q int8[K] | d float[K / 32] | ds float[K / 32] | bsum int16[K / 32] | bsum16 int16[K / 16]
 // with bsum = the sum of q over each 32, ds = d * bsum (the min formats' terms) and bsum16 = the sum
-// of q over each 16 (Q6_K's offset term on the zmm build).
+// of q over each 16 (Q6_K's offset term on the AVX2 build).
 constexpr int kA8Sub = 32;
 inline int64_t a8_row_bytes(int64_t K) {
   return K + (K / kA8Sub) * (int64_t)(2 * sizeof(float) + sizeof(int16_t)) + (K / 16) * (int64_t)sizeof(int16_t);
