@@ -228,8 +228,9 @@ inline __m512i quad_scale_index(int quad, bool per16) {
 // ---- decode once per row panel (Decoded, run_tiles): the row blocks (of MR rows) a panel needs
 // before decoding each weight block once into an L1 scratch, for all its blocks to reuse, pays
 // for the scratch stores and loads (below it, each block decodes the weights itself).
-// Exact mode (both builds) and a8 on AVX2: from 2 blocks (5+ rows), measured with the decode's
-// prefetch (run_tiles): 1.5B T(5) / T(8) exact 199 / 228 -> 181 / 223 ms, a8 AVX2 146 / 208 -> 142 / 187
+// Exact mode (both builds) and the a8 32-weight formats on AVX2: from 2 blocks (5+ rows), measured
+// with the decode's prefetch (run_tiles): 1.5B T(5) / T(8) exact 199 / 228 -> 181 / 223 ms (a8 K-quants
+// on AVX2: kA8DecodeOnceFewBlocks below)
 constexpr int64_t kDecodeOnceMinBlocks = 2;
 // a8 on the VNNI build, per format (kA8DecodeOnceMinBlocks): from 2 blocks (5+ rows) where two
 // blocks' savings outweigh one decode. Without the scratch every row block unpacks the weight
@@ -243,7 +244,9 @@ constexpr int64_t kA8DecodeOnceFewBlocks = 2;
 // n x (4-row tile on the blocks), static counts per 4 columns (docs/performance.md)
 constexpr int64_t a8_pairs_min_blocks(int64_t zmm_blocks) { return zmm_blocks; }
 #else
-constexpr int64_t kA8DecodeOnceFewBlocks = kDecodeOnceMinBlocks;
+// a8 K-quants on AVX2: from 3 blocks (9+ rows). With the raw tile's sums in registers, two 4-row
+// blocks on the raw blocks beat one decode + the scratch (1.5B T(5) / T(8) 126 / 169 -> 121 / 162 ms)
+constexpr int64_t kA8DecodeOnceFewBlocks = 3;
 constexpr int64_t a8_pairs_min_blocks(int64_t) { return kDecodeOnceMinBlocks; }
 #endif
 
@@ -525,7 +528,7 @@ struct Q6_KFormat {  // ql[128], qh[64], scales int8[16] (one per 16 weights), d
   // super-block x 4 columns, the decode 212), and 2 blocks measured slower (1.5B T(8) 121 -> 124 ms)
   static constexpr int64_t kA8DecodeOnceMinBlocks = 4;
 #else
-  static constexpr int64_t kA8DecodeOnceMinBlocks = kDecodeOnceMinBlocks;
+  static constexpr int64_t kA8DecodeOnceMinBlocks = kA8DecodeOnceFewBlocks;
 #endif
   static constexpr bool kSigned = true, kHasMin = false;
   static constexpr int kQuantOffset = 32;  // quants32 + 32 = the 6-bit quant, 0..63
