@@ -93,6 +93,21 @@ def a8_cases():
             yield pytest.param(name, rows, block * blocks_per_row, id=f"{name}-{rows}x{block * blocks_per_row}")
 
 
+def assert_equals_the_reference(out, x, blocks, qtype, bias, library, activation_block, weight=None, what=""):
+    """out [M, N] of the a8 kernel vs float64 x_blocks @ W.T (+ bias) on the same int8 activation blocks,
+    W = gguf's own dequantization of the blocks (or `weight` when given), within A8_REL of the magnitude."""
+    rows, in_features = x.shape
+    q, d = library.quantize_a8(x, activation_block)
+    x_blocks = (q.double().view(rows, -1, activation_block) * d.double()[..., None]).view(rows, in_features)  # [M, K]
+    weight = dequantize_blocks(blocks, qtype).double() if weight is None else weight  # [N, K]
+    expected = x_blocks @ weight.T + (0.0 if bias is None else bias.double())  # [M, N]
+    magnitude = x_blocks.abs() @ weight.abs().T + (0.0 if bias is None else bias.double().abs())
+    error = (out.double() - expected).abs()
+    assert bool((error <= A8_REL * magnitude + 1e-30).all()), (
+        f"{what}max error {float((error / magnitude.clamp_min(1e-30)).max()):.3g} of the magnitude"
+    )
+
+
 @pytest.mark.parametrize("name, rows, in_features", list(a8_cases()))
 def test_a8_kernel_equals_the_reference_on_the_same_int8_blocks(backend, name, rows, in_features):
     qtype = KERNEL_TYPES[name]
@@ -105,15 +120,7 @@ def test_a8_kernel_equals_the_reference_on_the_same_int8_blocks(backend, name, r
         layer = GGUFLinear(blocks, qtype, in_features, bias, backend, activations="int8")
         x = torch.randn(7, in_features, generator=torch.Generator().manual_seed(100 + seed)) * 3.0  # [7, K]
         out = layer(x)  # [7, N]
-        q, d = backend.library.quantize_a8(x, activation_block)
-        x_blocks = (q.double().view(7, -1, activation_block) * d.double()[..., None]).view(7, in_features)  # [7, K]
-        weight = dequantize_blocks(blocks, qtype).double()  # [N, K], gguf's own dequantization
-        expected = x_blocks @ weight.T + (0.0 if bias is None else bias.double())  # [7, N]
-        magnitude = x_blocks.abs() @ weight.abs().T + (0.0 if bias is None else bias.double().abs())
-        error = (out.double() - expected).abs()
-        assert bool((error <= A8_REL * magnitude + 1e-30).all()), (
-            f"max error {float((error / magnitude.clamp_min(1e-30)).max()):.3g} of the magnitude"
-        )
+        assert_equals_the_reference(out, x, blocks, qtype, bias, backend.library, activation_block)
         if rows > 1:  # fp32 activations differ by the int8 rounding: the mode is really on (a 1-row
             # case may have a zero weight scale: then both give the bias)
             assert not torch.equal(out, GGUFLinear(blocks, qtype, in_features, bias, backend)(x))
@@ -152,18 +159,11 @@ def test_a8_k_quants_equal_the_reference_at_the_largest_integer_sums(backend, na
         signs = torch.where(torch.rand(16, in_features, generator=torch.Generator().manual_seed(5)) < 0.5, -1.0, 1.0)
         signs[0], signs[1] = 1.0, -1.0  # all one sign: the largest sums
         x = 2.5 * signs  # [16, K]: every activation is its block's amax
+        assert int(library.quantize_a8(x, 256)[0].abs().min()) == 127
+        weight = dequantize_blocks(blocks, qtype).double()  # [N, K]
         for num_rows in (1, 3, 4, 8, 16):
-            out = layer(x[:num_rows])  # [num_rows, N]
-            q, d = library.quantize_a8(x[:num_rows], 256)
-            assert int(q.abs().min()) == 127
-            x_blocks = (q.double().view(num_rows, -1, 256) * d.double()[..., None]).view(num_rows, in_features)
-            weight = dequantize_blocks(blocks, qtype).double()  # [N, K]
-            expected = x_blocks @ weight.T
-            magnitude = x_blocks.abs() @ weight.abs().T
-            error = (out.double() - expected).abs()
-            assert bool((error <= A8_REL * magnitude + 1e-30).all()), (
-                f"{num_rows} rows: max error {float((error / magnitude.clamp_min(1e-30)).max()):.3g} of the magnitude"
-            )
+            assert_equals_the_reference(layer(x[:num_rows]), x[:num_rows], blocks, qtype, None, library, 256,
+                                        weight=weight, what=f"{num_rows} rows: ")
     finally:
         if was_on:
             library.set_amx(True)

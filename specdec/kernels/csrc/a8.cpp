@@ -167,13 +167,12 @@ void k_quant_update_rows(const __m256i (&lanes)[MR][4], const Scales (&scales)[N
   auto min_pairs = [&](int r) {
     return _mm256_hadd_epi32(_mm256_madd_epi16(m_cols[0], bsum_rows[r]), _mm256_madd_epi16(m_cols[1], bsum_rows[r]));
   };
-  auto dx_of = [&](int r) { return dx_rows[r]; };
   int r = 0;
 #pragma GCC unroll 4
   for (; r + 1 < MR; r += 2) {  // rows r, r + 1: lanes [row r's columns 0-3 | row r + 1's]
     const __m256i h0 = halves(r), h1 = halves(r + 1);
     const __m256i totals = _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
-    const __m256 dx = _mm256_set_m128(_mm_set1_ps(dx_of(r + 1)), _mm_set1_ps(dx_of(r)));
+    const __m256 dx = _mm256_set_m128(_mm_set1_ps(dx_rows[r + 1]), _mm_set1_ps(dx_rows[r]));
     float* acc = a.saved + 4 * r;
     __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals), _mm256_mul_ps(_mm256_set_m128(d_cols, d_cols), dx), _mm256_loadu_ps(acc));
     if constexpr (Fmt::kHasMin) {
@@ -185,7 +184,7 @@ void k_quant_update_rows(const __m256i (&lanes)[MR][4], const Scales (&scales)[N
     _mm256_storeu_ps(acc, sum);
   }
   if constexpr (MR % 2) {  // the last row alone
-    const __m128 dx = _mm_set1_ps(dx_of(r));
+    const __m128 dx = _mm_set1_ps(dx_rows[r]);
     const __m256i h = halves(r);
     const __m128i totals = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
     float* acc = a.saved + 4 * r;
@@ -480,7 +479,7 @@ void a8_tile(const TileArgs& a) {
       // adds -offset * scale * (x's sum per 16-weight group): exactly the sums of (q - offset) . x
       constexpr int kOffset = Fmt::kQuantOffset;
       [[maybe_unused]] const int16_t* group_sums[MR];  // each row's x sums per 16 weights of this super-block
-      if constexpr (kOffset != 0) {
+      if constexpr (kOffset != 0 && !rows_outer<Fmt>::value) {  // the column walk's offset term
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) group_sums[r] = A8Row(a.xq + r * a.ldxq, a.K).bsum16 + kb / 16;
       }
