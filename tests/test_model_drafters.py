@@ -75,9 +75,9 @@ def _greedy_results(target, drafter, tree: bool, max_new_tokens: int):
     return [generate(target, prompt, drafter, max_new_tokens=max_new_tokens) for prompt in PROMPTS]
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree-batch"])
-def test_small_model_greedy_equals_plain(smollm2, smollm2_bf16, plain_outputs, tree):
-    drafter = make_drafter("small-model", smollm2, draft_target=smollm2_bf16, tree=tree, tree_beam=2)
+@pytest.mark.parametrize("tree, context", [(False, 0), (True, 0), (False, 6)], ids=["chain", "tree-batch", "chain-context-6"])
+def test_small_model_greedy_equals_plain(smollm2, smollm2_bf16, plain_outputs, tree, context):
+    drafter = make_drafter("small-model", smollm2, draft_target=smollm2_bf16, tree=tree, tree_beam=2, context=context)
     results = _greedy_results(smollm2, drafter, tree, MAX_NEW)
     assert [result.tokens for result in results] == plain_outputs
     # a bf16 copy of the target agrees almost always: most drafts are accepted
@@ -307,6 +307,40 @@ def test_chain_drafting_feeds_each_token_once(tiny_pair):
         assert counting.tokens_fed - fed_before == (2 if num_accepted == 4 else 1) + 3
 
 
+def test_a_context_window_bounds_what_the_draft_model_reads(tiny_pair):
+    """With context=4 a 12-token prompt costs the draft model a 4-token prefill, and its drafts are
+    what it drafts when the window is all it was ever shown; short catch-ups extend the window,
+    a catch-up longer than it restarts at the last 4 tokens."""
+    target, draft_model = tiny_pair
+    counting = CountingTarget(draft_model)
+    drafter = SmallModelDrafter(target, draft_target=counting, gamma=3, context=4).for_sequence()
+    prompt = [0, 5, 9, 3, 7, 4, 1, 8, 2, 6, 5, 3]
+    ctx = DraftContext(list(prompt), len(prompt), SamplingParams())
+    drafter.begin(prompt, target)
+    assert drafter.catch_up_tokens(ctx) == 4
+    draft = drafter.propose(ctx, 3)
+    assert counting.tokens_fed == 4 + 2  # the window, then one token per further draft position
+
+    def window_only_draft(committed):
+        alone = SmallModelDrafter(target, draft_target=draft_model, gamma=3).for_sequence()
+        alone.begin(committed, target)
+        return alone.propose(DraftContext(list(committed), len(committed), SamplingParams()), 3)
+
+    assert draft.tokens.tolist() == window_only_draft(prompt[-4:]).tokens.tolist()
+    accepted = draft.tokens[:2].tolist()
+    ctx.tokens.extend(accepted + [(int(draft.tokens[2]) + 1) % target.vocab_size])
+    drafter.on_verified(VerifyResult(ctx.tokens[-3:], 2, [0, 1]), ctx)
+    assert drafter.catch_up_tokens(ctx) == 1  # the correction: the window grows with the sequence
+    draft = drafter.propose(ctx, 3)
+    assert draft.tokens.tolist() == window_only_draft(ctx.tokens[len(prompt) - 4:]).tokens.tolist()
+    ctx.tokens.extend([1, 2, 3, 4, 5, 6])  # six tokens the drafter never saw (other drafters' steps)
+    assert drafter.catch_up_tokens(ctx) == 4
+    fed_before = counting.tokens_fed
+    draft = drafter.propose(ctx, 3)
+    assert counting.tokens_fed - fed_before == 4 + 2
+    assert draft.tokens.tolist() == window_only_draft(ctx.tokens[-4:]).tokens.tolist()
+
+
 # ---------------------------------------------------------------------------- bad input
 def test_incompatible_tokenizer_is_a_clear_error(tmp_path, tiny_pair):
     target, _ = tiny_pair
@@ -327,6 +361,7 @@ def test_incompatible_tokenizer_is_a_clear_error(tmp_path, tiny_pair):
         (dict(num_layers=1, layers=[0]), "either"),
         (dict(gamma=0), "gamma"),
         (dict(tree=True, tree_topk=0), "tree_topk"),
+        (dict(context=-1), "context"),
     ],
 )
 def test_invalid_layer_skip_options_are_clear_errors(tiny_pair, options, message):

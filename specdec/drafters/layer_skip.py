@@ -56,7 +56,7 @@ class LayerSkipDrafter(ModelDrafter):
 
     num_layers: run the first n blocks (default ~1/4 of the target's blocks).
     layers: or an explicit increasing list of block ids, e.g. [0, 1, 2, 3, 28, 29].
-    gamma / tree / tree_* / sample: see ModelDrafter and `small-model`.
+    gamma / tree / tree_* / sample / context: see ModelDrafter and `small-model`.
     """
 
     name = "layer-skip"
@@ -73,8 +73,9 @@ class LayerSkipDrafter(ModelDrafter):
         tree_topk: int = 3,
         tree_beam: int = 1,
         sample: bool = True,
+        context: int = 0,
     ):
-        super().__init__(gamma, tree, tree_nodes, tree_depth, tree_topk, tree_beam, sample)
+        super().__init__(gamma, tree, tree_nodes, tree_depth, tree_topk, tree_beam, sample, context)
         if target is None:
             raise ValueError("layer-skip drafts with the target's own layers: pass the target")
         if not _supports_layer_ids(target):
@@ -106,4 +107,4 @@ class LayerSkipDrafter(ModelDrafter):
         def new_cache(max_len: int):
             return target.new_cache(1, max_len, num_layers=len(layer_ids))
 
-        return DraftLM(forward, new_cache, target.vocab_size, capacity)
+        return DraftLM(forward, new_cache, target.vocab_size, capacity, window=self.context)

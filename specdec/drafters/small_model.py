@@ -21,6 +21,12 @@ Two pieces, shared with `layer-skip` (drafters/layer_skip.py):
 
 `small-model` drafts with an independent smaller model that shares the target's tokenizer
 (default pair: qwen2.5-coder-1.5b target, qwen2.5-coder-0.5b draft).
+
+A context window (`context=N`) bounds what the draft model reads: its cache starts at the last N
+committed tokens whenever it would otherwise feed more than N at once (a request's prompt, a long
+catch-up). On a CPU a draft model's prefill is paid in full (the 0.5B reads a 741-token prompt in
+~3.7 s, two thirds of a 64-token answer's decoding), while its next-token guesses depend mostly on
+the recent tokens; every draft is verified, so the window changes speed only, never the output.
 """
 
 from __future__ import annotations
@@ -62,18 +68,23 @@ class DraftLM:
     sliced when the draft head is larger (padding rows), -inf padded when it is smaller, and -inf
     outside `token_ids` when the forward computes only a draft vocabulary's columns.
 
-    Cache layout: slots [0, len(tokens)) hold `tokens`, a real prefix of the sequence (positions
-    = slot index). Tree drafting may write extra node slots after them (`run_nodes`); they are
-    dropped by `drop_nodes()` / `sync()` unless adopted as a chain (`adopt_nodes`).
+    Cache layout: slots [0, len(tokens)) hold `tokens` = sequence[offset:offset + len(tokens)]
+    (positions = slot index; rotary attention sees only distances, so starting a window at
+    position 0 changes nothing within it). `window` > 0 caps how many tokens one sync feeds: past
+    it the cache restarts at the last `window` committed tokens (offset > 0). Tree drafting may
+    write extra node slots after them (`run_nodes`); they are dropped by `drop_nodes()` / `sync()`
+    unless adopted as a chain (`adopt_nodes`).
     """
 
     def __init__(self, forward: DraftForward, new_cache: Callable[[int], object], vocab_size: int, capacity: int,
-                 token_ids: torch.Tensor | None = None):
+                 token_ids: torch.Tensor | None = None, window: int = 0):
         self._forward, self._new_cache = forward, new_cache
         self.vocab_size = vocab_size
         self.token_ids = token_ids  # [V'] the ids of the forward's logit columns (a draft vocabulary); None: all
+        self.window = check_int("context (0 = the whole sequence)", window, 0)
         self.capacity = max(1, int(capacity))
         self.cache = new_cache(self.capacity)
+        self.offset = 0  # sequence index of tokens[0]
         self.tokens: list[int] = []  # tokens whose K/V fill the first slots, in sequence order
         self.next_logits: torch.Tensor | None = None  # [V] after tokens[-1], when known
 
@@ -157,8 +168,32 @@ class DraftLM:
         themselves, what attn_mask [T, T] allows); returns their logits [T, V]."""
         return self._run(tokens, positions, attn_mask)
 
+    def _plan_sync(self, committed: Sequence[int]) -> tuple[int, int]:
+        """(offset, cached tokens kept) of the next sync to `committed`: the cached tokens that are
+        still its prefix, less the last (whose logits are needed); a new offset when more than the
+        window would have to be fed."""
+        seen = committed[self.offset:] if len(committed) > self.offset else []
+        if len(self.tokens) <= len(seen) and seen[: len(self.tokens)] == self.tokens:  # the usual case, at C speed
+            common = len(self.tokens)
+        else:
+            common = _common_prefix_length(self.tokens, seen)
+        keep = min(common, len(seen) - 1)
+        if not seen or (self.window and len(seen) - keep > self.window):
+            return max(0, len(committed) - self.window) if self.window else 0, 0
+        return self.offset, keep
+
+    def missing(self, committed: Sequence[int]) -> int:
+        """How many tokens the next sync to `committed` feeds."""
+        offset, keep = self._plan_sync(committed)
+        return len(committed) - offset - keep
+
+    def slots_for(self, committed: Sequence[int]) -> int:
+        """Cache slots the sequence tokens take after the next sync to `committed`."""
+        return len(committed) - self._plan_sync(committed)[0]
+
     def sync(self, committed: list[int]) -> torch.Tensor:
-        """Make the cache hold exactly `committed` and return the draft logits [V] after its last token.
+        """Make the cache hold `committed` (its last `window` tokens or more) and return the draft
+        logits [V] after its last token.
 
         Cuts the cache to the longest common prefix, then feeds the missing tokens (at least the
         last one, whose logits are needed) in one forward.
@@ -166,19 +201,21 @@ class DraftLM:
         if not committed:
             raise ValueError("cannot draft without committed tokens")
         self.drop_nodes()
-        common = _common_prefix_length(self.tokens, committed)
-        if common == len(committed) == len(self.tokens) and self.next_logits is not None:
+        if (len(committed) - self.offset == len(self.tokens) and self.next_logits is not None
+                and committed[self.offset:] == self.tokens):
             return self.next_logits
-        keep = min(common, len(committed) - 1)
+        offset, keep = self._plan_sync(committed)
         self.truncate(keep)
-        return self.extend(committed[keep:])[-1]
+        self.offset = offset
+        return self.extend(committed[offset + keep:])[-1]
 
 
 class ModelDrafter(Drafter):
     """Chain / tree drafting with an autoregressive `DraftLM`; subclasses say which model runs.
 
-    Subclasses implement `_new_draft_lm(capacity) -> DraftLM` (one per sequence) and set
-    `self.cost`'s per_token (draft cost per token in target decode steps)).
+    Subclasses implement `_new_draft_lm(capacity) -> DraftLM` (one per sequence, with
+    `window=self.context`) and set `self.cost`'s per_token (draft cost per token in target decode
+    steps). `context`: the most committed tokens the draft model reads (DraftLM's window; 0 = all).
     """
 
     def __init__(
@@ -190,8 +227,10 @@ class ModelDrafter(Drafter):
         tree_topk: int = 3,
         tree_beam: int = 1,
         sample: bool = True,
+        context: int = 0,
     ):
         self.gamma = check_positive_int("gamma", gamma)
+        self.context = check_int("context (0 = the whole sequence)", context, 0)
         for name, flag in (("tree", tree), ("sample", sample)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be true or false, got {flag!r}")
@@ -208,17 +247,13 @@ class ModelDrafter(Drafter):
 
     def catch_up_tokens(self, ctx: DraftContext) -> int:
         if self.lm is None:
-            return len(ctx.tokens)
-        cached = self.lm.tokens
-        if len(cached) <= len(ctx.tokens) and ctx.tokens[: len(cached)] == cached:  # the usual case, at C speed
-            common = len(cached)
-        else:
-            common = _common_prefix_length(cached, ctx.tokens)
-        return len(ctx.tokens) - min(common, len(ctx.tokens) - 1)  # the root is always fed
+            return min(len(ctx.tokens), self.context or len(ctx.tokens))
+        return self.lm.missing(ctx.tokens)  # the root is always fed
 
     def begin(self, prompt_ids, target) -> None:
         # a fresh cache per sequence (for_sequence copies share the model, never the cache)
-        self.lm = self._new_draft_lm(len(prompt_ids) + self._step_slots(self.cost.block) + _CACHE_HEADROOM)
+        slots = min(len(prompt_ids), self.context or len(prompt_ids))
+        self.lm = self._new_draft_lm(slots + self._step_slots(self.cost.block) + _CACHE_HEADROOM)
 
     def _step_slots(self, budget: int) -> int:
         """Cache slots one proposal may write beyond the committed tokens."""
@@ -232,7 +267,7 @@ class ModelDrafter(Drafter):
             return Draft.empty()
         if self.lm is None:
             self.begin(ctx.tokens, None)
-        self.lm.ensure_capacity(len(ctx.tokens) + self._step_slots(budget))
+        self.lm.ensure_capacity(self.lm.slots_for(ctx.tokens) + self._step_slots(budget))
         root_logits = self.lm.sync(ctx.tokens)  # [V] draft distribution after the root
         if self.tree:
             return self._propose_tree(ctx, budget, root_logits)
@@ -414,6 +449,8 @@ class SmallModelDrafter(ModelDrafter):
         those rows (reduced_lm_head; on a Qwen2.5 0.5B most of a step is its 151,936-row head) and
         q is exactly the warped softmax over them, zero elsewhere. Needs a draft model on the native
         runtime.
+    context: the draft model reads at most the last `context` committed tokens in one go (0 = the
+        whole prompt): its prefill costs that many tokens instead of the prompt's (module docstring).
     """
 
     name = "small-model"
@@ -433,8 +470,9 @@ class SmallModelDrafter(ModelDrafter):
         sample: bool = True,
         draft_vocab: int = 0,
         draft_weights: str = "",
+        context: int = 0,
     ):
-        super().__init__(gamma, tree, tree_nodes, tree_depth, tree_topk, tree_beam, sample)
+        super().__init__(gamma, tree, tree_nodes, tree_depth, tree_topk, tree_beam, sample, context)
         check_int("draft_vocab (0 = the whole vocabulary)", draft_vocab, 0)
         if draft_target is None:
             if not isinstance(draft_model, str) or not draft_model:
@@ -504,4 +542,4 @@ class SmallModelDrafter(ModelDrafter):
             return logits
 
         new_cache = lambda max_len: draft.new_cache(1, max_len)  # noqa: E731
-        return DraftLM(forward, new_cache, self.target_vocab_size, capacity, self.token_ids)
+        return DraftLM(forward, new_cache, self.target_vocab_size, capacity, self.token_ids, self.context)
