@@ -81,7 +81,7 @@ class DraftLM:
         self._forward, self._new_cache = forward, new_cache
         self.vocab_size = vocab_size
         self.token_ids = token_ids  # [V'] the ids of the forward's logit columns (a draft vocabulary); None: all
-        self.window = check_int("context (0 = the whole sequence)", window, 0)
+        self.window = window  # ModelDrafter's `context`, checked there
         self.capacity = max(1, int(capacity))
         self.cache = new_cache(self.capacity)
         self.offset = 0  # sequence index of tokens[0]
