@@ -25,8 +25,8 @@ Two pieces, shared with `layer-skip` (drafters/layer_skip.py):
 A context window (`context=N`) bounds what the draft model reads: its cache starts at the last N
 committed tokens whenever it would otherwise feed more than N at once (a request's prompt, a long
 catch-up). On a CPU a draft model's prefill is paid in full (the 0.5B reads a 741-token prompt in
-~3.7 s, two thirds of a 64-token answer's decoding), while its next-token guesses depend mostly on
-the recent tokens; every draft is verified, so the window changes speed only, never the output.
+~3.7 s, longer than the 1.5B takes to decode 64 tokens), while its next-token guesses depend mostly
+on the recent tokens; every draft is verified, so the window changes speed only, never the output.
 """
 
 from __future__ import annotations
@@ -187,13 +187,9 @@ class DraftLM:
         offset, keep = self._plan_sync(committed)
         return len(committed) - offset - keep
 
-    def slots_for(self, committed: Sequence[int]) -> int:
-        """Cache slots the sequence tokens take after the next sync to `committed`."""
-        return len(committed) - self._plan_sync(committed)[0]
-
-    def sync(self, committed: list[int]) -> torch.Tensor:
-        """Make the cache hold `committed` (its last `window` tokens or more) and return the draft
-        logits [V] after its last token.
+    def sync(self, committed: list[int], extra_slots: int = 0) -> torch.Tensor:
+        """Make the cache hold `committed` (its last `window` tokens or more), with room for
+        `extra_slots` more (a proposal's nodes), and return the draft logits [V] after its last token.
 
         Cuts the cache to the longest common prefix, then feeds the missing tokens (at least the
         last one, whose logits are needed) in one forward.
@@ -201,10 +197,11 @@ class DraftLM:
         if not committed:
             raise ValueError("cannot draft without committed tokens")
         self.drop_nodes()
-        if (len(committed) - self.offset == len(self.tokens) and self.next_logits is not None
-                and committed[self.offset:] == self.tokens):
-            return self.next_logits
         offset, keep = self._plan_sync(committed)
+        self.ensure_capacity(len(committed) - offset + extra_slots)
+        if (offset == self.offset and len(committed) - offset == len(self.tokens) and self.next_logits is not None
+                and committed[offset:] == self.tokens):
+            return self.next_logits  # every committed token is cached
         self.truncate(keep)
         self.offset = offset
         return self.extend(committed[offset + keep:])[-1]
@@ -245,15 +242,18 @@ class ModelDrafter(Drafter):
     def _new_draft_lm(self, capacity: int) -> DraftLM:
         raise NotImplementedError
 
+    def _first_fill(self, num_tokens: int) -> int:
+        """Tokens the draft model reads of a fresh sequence of `num_tokens` (its context window)."""
+        return min(num_tokens, self.context) if self.context else num_tokens
+
     def catch_up_tokens(self, ctx: DraftContext) -> int:
         if self.lm is None:
-            return min(len(ctx.tokens), self.context or len(ctx.tokens))
+            return self._first_fill(len(ctx.tokens))
         return self.lm.missing(ctx.tokens)  # the root is always fed
 
     def begin(self, prompt_ids, target) -> None:
         # a fresh cache per sequence (for_sequence copies share the model, never the cache)
-        slots = min(len(prompt_ids), self.context or len(prompt_ids))
-        self.lm = self._new_draft_lm(slots + self._step_slots(self.cost.block) + _CACHE_HEADROOM)
+        self.lm = self._new_draft_lm(self._first_fill(len(prompt_ids)) + self._step_slots(self.cost.block) + _CACHE_HEADROOM)
 
     def _step_slots(self, budget: int) -> int:
         """Cache slots one proposal may write beyond the committed tokens."""
@@ -267,8 +267,7 @@ class ModelDrafter(Drafter):
             return Draft.empty()
         if self.lm is None:
             self.begin(ctx.tokens, None)
-        self.lm.ensure_capacity(self.lm.slots_for(ctx.tokens) + self._step_slots(budget))
-        root_logits = self.lm.sync(ctx.tokens)  # [V] draft distribution after the root
+        root_logits = self.lm.sync(ctx.tokens, self._step_slots(budget))  # [V] draft distribution after the root
         if self.tree:
             return self._propose_tree(ctx, budget, root_logits)
         return self._propose_chain(ctx, budget, root_logits)
