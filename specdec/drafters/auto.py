@@ -2,11 +2,10 @@
 
 Arms: plain decoding (an empty draft) and every method in `methods` (default: suffix, pld, and
 hybrid = suffix + pld, plus the model drafter when `model=NAME` is given). A model drafts in the
-hybrid's tree, not as an arm of its own unless `methods` names it (or has no hybrid): alone, it ran
-while retrieval found nothing, its rate a little above plain's, and skipped the matches retrieval found
-later (dev subset, 64 tokens: auto with the 0.5B draft model as an arm made 1.02x where auto without it
-made 1.16x); in the hybrid, retrieval's free nodes come first and the model's slots are priced by the
-budget policy. Every drafter exists once per request: the hybrid drafts from the same
+hybrid's tree, not as an arm of its own unless `methods` names it (or has no hybrid): alone, it runs
+while retrieval finds nothing, its rate a little above plain's, and skips the matches retrieval finds
+later (on the dev subset auto with the 0.5B draft model as an arm lost most of auto's gain); in the
+hybrid, retrieval's free nodes come first and the model's slots are priced by the budget policy. Every drafter exists once per request: the hybrid drafts from the same
 suffix, pld and model objects the single-method arms are, so one suffix trie and one draft-model
 cache follow the request, and each gets one begin / on_verified per step. Each step ONE arm drafts, at
 most its own block of the budget the budget policy gave (how many nodes a step drafts stays the
