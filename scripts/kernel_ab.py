@@ -23,6 +23,7 @@ import sys
 CONFIGS = {
     "a8-vnni": ("gguf-a8", {"SPECDEC_KERNEL_AMX": "0"}),
     "a8-avx2": ("gguf-a8", {"SPECDEC_KERNEL_ISA": "avx2", "SPECDEC_KERNEL_AMX": "0"}),
+    "a8-avx2-vnni": ("gguf-a8", {"SPECDEC_KERNEL_ISA": "avx2-vnni", "SPECDEC_KERNEL_AMX": "0"}),
     "exact-vnni": ("gguf", {"SPECDEC_KERNEL_AMX": "0"}),
     "exact-avx2": ("gguf", {"SPECDEC_KERNEL_ISA": "avx2", "SPECDEC_KERNEL_AMX": "0"}),
     "a8-amx": ("gguf-a8", {}),

@@ -195,6 +195,11 @@ def test_machine_named_by_the_kernel_s_cpu_features():
         "AMD EPYC, AVX-512 VNNI, AMX off (SPECDEC_KERNEL_AMX=0), 2 threads"
     assert describe_machine({**amx_cpu, "kernel_isa": "avx2", "kernel_amx": False}) == \
         "AMD EPYC, AVX-512 VNNI (kernel built for AVX2: SPECDEC_KERNEL_ISA=avx2), AMX unused, 2 threads"
+    assert describe_machine({**amx_cpu, "kernel_isa": "avx2-vnni", "kernel_amx": False}) == \
+        "AMD EPYC, AVX-512 VNNI (kernel built for AVX2 + AVX-VNNI: SPECDEC_KERNEL_ISA=avx2-vnni), AMX unused, 2 threads"
+    # an AVX2 laptop with AVX-VNNI (Intel since Alder Lake)
+    assert describe_machine({**base, "cpu": "Intel Core", "cpu_features": ["avx2", "fma", "f16c", "avx_vnni"]}) == \
+        "Intel Core, AVX2 + AVX-VNNI, no AMX, 2 threads"
 
 
 def test_machine_record_names_the_kernel_s_build_and_amx(monkeypatch):

@@ -340,6 +340,25 @@ def test_generate_without_a_compiler_says_so_once(tmp_path, smollm2):
     assert result.stdout.strip()
 
 
+def test_the_build_is_the_widest_the_cpu_runs_and_a_named_one_must_run_here(monkeypatch):
+    avx2 = {"avx2", "fma", "f16c"}
+    monkeypatch.delenv(build.ENV_ISA, raising=False)
+    for flags, widest in ((avx2, "avx2"), (avx2 | {"avx_vnni"}, "avx2-vnni"), (avx2 | {"avx_vnni", "avx512f"}, "avx512")):
+        monkeypatch.setattr(build, "cpu_flags", lambda flags=flags: set(flags))
+        assert build.cpu_isa() == build.resolve_isa() == widest
+        assert build.resolve_isa("avx2") == "avx2"  # every build of an AVX2 CPU runs the plain AVX2 one too
+    monkeypatch.setattr(build, "cpu_flags", lambda: set(avx2))
+    with pytest.raises(build.KernelUnavailable, match="cannot run the avx2-vnni kernel"):
+        build.resolve_isa("avx2-vnni")
+    monkeypatch.setenv(build.ENV_ISA, "avx2vnni")
+    with pytest.raises(ValueError, match="avx2-vnni"):  # a misspelt name lists the right ones
+        build.resolve_isa()
+    monkeypatch.setattr(build, "cpu_flags", lambda: {"sse4_2"})
+    with pytest.raises(build.KernelUnavailable, match="lacks AVX2"):
+        build.resolve_isa("avx2")
+    assert "-mavxvnni" in build.isa_build_flags("avx2-vnni") and "-mavxvnni" not in build.isa_build_flags("avx2")
+
+
 def test_backend_names_and_env_override(monkeypatch):
     monkeypatch.setenv("SPECDEC_LINEAR", "torch")
     assert make_backend("auto").backend.name == "torch"

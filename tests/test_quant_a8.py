@@ -1,8 +1,8 @@
 """The int8-activation mode (weights="gguf-a8"): GGUF block weights times activations quantized to
 int8 per block (32, or 256 for K-quants) with integer dot products. Per format the kernel equals a
 float64 reference computed from the same int8 activation blocks (tight, scale-aware tolerance);
-rows are bitwise batch and thread-count invariant; the AVX2 and AVX-512 builds (and AMX tiles where
-the CPU has them) give the same bits;
+rows are bitwise batch and thread-count invariant; the AVX2, AVX2 + AVX-VNNI and AVX-512 builds (and
+AMX tiles where the CPU has them) give the same bits;
 speculation on SmolLM2 reproduces the a8 model's own plain greedy output."""
 
 import importlib.util
@@ -45,10 +45,20 @@ def isa_backend(isa: str) -> CppSkinnyLinear:
         pytest.skip(f"{isa} kernel unavailable here: {exc}")
 
 
-@pytest.fixture(scope="module", params=["avx512", "avx2"])
+@pytest.fixture(scope="module", params=["avx512", "avx2-vnni", "avx2"])
 def backend(request):
     """The kernel built for each instruction set this CPU can run (AVX2 also on AVX-512 CPUs)."""
     return isa_backend(request.param)
+
+
+def other_builds() -> list[CppSkinnyLinear]:
+    """The builds besides AVX2 that this CPU runs (AVX-512, AVX2 + AVX-VNNI); a skip where there are none."""
+    from specdec.kernels.build import cpu_isas
+
+    builds = [CppSkinnyLinear(isa=isa) for isa in cpu_isas() if isa != "avx2"]
+    if not builds:
+        pytest.skip("this CPU runs the AVX2 build only")
+    return builds
 
 
 def block_of(name: str) -> int:
@@ -190,27 +200,51 @@ def test_a8_rows_are_bitwise_batch_and_thread_invariant(backend, name):
 
 
 @pytest.mark.parametrize("name", list(KERNEL_TYPES))
-def test_a8_bits_are_the_same_on_the_avx2_and_avx512_builds(name):
-    avx512, avx2 = isa_backend("avx512"), isa_backend("avx2")
+def test_a8_bits_are_the_same_on_every_build(name):
+    """1-6 rows (the few-row tiles: AVX-512 VNNI's zmm steps, AVX-VNNI's paired sub-blocks, AVX2's
+    maddubs) and odd N give the AVX2 build's bits on every other build this CPU runs."""
+    avx2 = isa_backend("avx2")
     qtype = KERNEL_TYPES[name]
     in_features = block_of(name) * (20 if block_of(name) == 32 else 3)
     blocks = random_blocks(name, 45, in_features, seed=7)
     x = torch.randn(6, in_features)
-    outputs = [GGUFLinear(blocks, qtype, in_features, None, b, activations="int8")(x) for b in (avx512, avx2)]
-    assert torch.equal(*outputs)
+    for rows in (1, 2, 3, 4, 6):
+        expected = GGUFLinear(blocks, qtype, in_features, None, avx2, activations="int8")(x[:rows])
+        for build in other_builds():
+            got = GGUFLinear(blocks, qtype, in_features, None, build, activations="int8")(x[:rows])
+            assert torch.equal(got, expected), f"{build.library.isa}, {rows} rows"
 
 
 @pytest.mark.parametrize("name", list(KERNEL_TYPES))
-def test_a8_prefill_bits_are_the_same_on_the_avx2_and_avx512_builds(name):
+def test_a8_prefill_bits_are_the_same_on_every_build(name):
     """300 rows: the many-row path (weights decoded once per row panel; on VNNI CPUs two columns
     per zmm for the 32-weight formats) keeps the bits of the AVX2 build."""
-    avx512, avx2 = isa_backend("avx512"), isa_backend("avx2")
+    avx2 = isa_backend("avx2")
     qtype = KERNEL_TYPES[name]
     in_features = block_of(name) * (20 if block_of(name) == 32 else 3)
     blocks = random_blocks(name, 23, in_features, seed=8)  # odd N: a partial column tile
     x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(9))  # [300, K]
-    outputs = [GGUFLinear(blocks, qtype, in_features, None, b, activations="int8")(x) for b in (avx512, avx2)]
-    assert torch.equal(*outputs)
+    expected = GGUFLinear(blocks, qtype, in_features, None, avx2, activations="int8")(x)
+    for build in other_builds():
+        assert torch.equal(GGUFLinear(blocks, qtype, in_features, None, build, activations="int8")(x), expected)
+
+
+@pytest.mark.parametrize("name", list(KERNEL_TYPES))
+def test_the_avx_vnni_build_keeps_the_avx2_bits_with_fp32_activations(name):
+    """avx2-vnni changes only the integer dot products: the exact mode (fp32 activations) is the AVX2
+    build's, bitwise, at the few-row and the many-row sizes."""
+    from specdec.kernels.build import cpu_isas
+
+    if "avx2-vnni" not in cpu_isas():
+        pytest.skip("this CPU has no AVX-VNNI")
+    avx2, vnni = isa_backend("avx2"), isa_backend("avx2-vnni")
+    qtype = KERNEL_TYPES[name]
+    in_features = block_of(name) * (20 if block_of(name) == 32 else 3)
+    blocks = random_blocks(name, 23, in_features, seed=10)
+    x = torch.randn(40, in_features, generator=torch.Generator().manual_seed(11))  # [40, K]
+    for rows in (1, 4, 40):
+        outputs = [GGUFLinear(blocks, qtype, in_features, None, b)(x[:rows]) for b in (avx2, vnni)]
+        assert torch.equal(*outputs), f"{rows} rows"
 
 
 def amx_library():

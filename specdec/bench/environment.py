@@ -18,7 +18,10 @@ from pathlib import Path
 
 # /proc/cpuinfo flags the kernel's builds and paths depend on (kernels/build.py: AVX2 / AVX-512
 # builds, VNNI and AMX int8 for the gguf-a8 dot products; avx512_bf16 / amx_bf16: the trainer's bf16 autocast)
-KERNEL_CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+KERNEL_CPU_FEATURES = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8",
+                       "amx_bf16")
+# the kernel's AVX2 builds (kernels/build.py), as a machine description names them
+_AVX2_BUILDS = {"avx2": "AVX2", "avx2-vnni": "AVX2 + AVX-VNNI"}
 # SPECDEC_* settings that do not change what a run measures (where files are kept)
 _ENV_WITHOUT_EFFECT = {"SPECDEC_CACHE", "SPECDEC_DEBUG"}
 
@@ -72,13 +75,13 @@ def describe_machine(record: dict) -> str:
     if "avx512f" in features:
         extras = [name for flag, name in (("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16")) if flag in features]
         isa = "AVX-512" + (" " + "/".join(extras) if extras else "")
-        if record.get("kernel_isa") == "avx2":
-            isa += " (kernel built for AVX2: SPECDEC_KERNEL_ISA=avx2)"
+        if record.get("kernel_isa") in _AVX2_BUILDS:
+            isa += f" (kernel built for {_AVX2_BUILDS[record['kernel_isa']]}: SPECDEC_KERNEL_ISA={record['kernel_isa']})"
     else:
-        isa = "AVX2" if "avx2" in features else "no AVX2"
+        isa = ("AVX2 + AVX-VNNI" if "avx_vnni" in features else "AVX2") if "avx2" in features else "no AVX2"
     amx = "AMX" if {"amx_tile", "amx_int8"} <= features else "no AMX"
-    if amx == "AMX" and record.get("kernel_amx") is False:  # the AVX2 build has no tile paths
-        amx = "AMX unused" if record.get("kernel_isa") == "avx2" else "AMX off (SPECDEC_KERNEL_AMX=0)"
+    if amx == "AMX" and record.get("kernel_amx") is False:  # the AVX2 builds have no tile paths
+        amx = "AMX unused" if record.get("kernel_isa") in _AVX2_BUILDS else "AMX off (SPECDEC_KERNEL_AMX=0)"
     return f"{record.get('cpu', 'unknown CPU')}, {isa}, {amx}, {record.get('threads', '?')} threads"
 
 

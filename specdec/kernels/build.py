@@ -7,7 +7,7 @@ the flags and the compiler, so an edit, another ISA or another compiler builds a
 library built once is only loaded after that.
 
 Environment: SPECDEC_CXX names the compiler (SPECDEC_CXX=none: behave as if there were none);
-SPECDEC_KERNEL_ISA=avx2|avx512 picks the build (default: the widest the CPU has).
+SPECDEC_KERNEL_ISA=avx512|avx2-vnni|avx2 picks the build (default: the widest the CPU has).
 """
 
 from __future__ import annotations
@@ -28,7 +28,19 @@ ENV_COMPILER = "SPECDEC_CXX"
 ENV_ISA = "SPECDEC_KERNEL_ISA"
 NO_COMPILER = ("none", "0", "off", "false")
 # F16C (fp16 scales of GGUF blocks) comes with every AVX2 CPU
-ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx2", "-mfma", "-mf16c"), "avx2": ("-mavx2", "-mfma", "-mf16c")}
+# avx2-vnni: AVX2 CPUs with AVX-VNNI (Intel since Alder Lake, AMD since Zen 5): the a8 integer dot
+# products as 256-bit vpdpbusd / vpdpwssd, the same integers as the AVX2 maddubs sequence (same bits)
+ISA_FLAGS = {
+    "avx512": ("-mavx512f", "-mavx2", "-mfma", "-mf16c"),
+    "avx2-vnni": ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+}
+# what the CPU must have for each build (/proc/cpuinfo flags), widest first
+ISA_CPU_FLAGS = {
+    "avx512": {"avx512f", "avx2", "fma", "f16c"},
+    "avx2-vnni": {"avx_vnni", "avx2", "fma", "f16c"},
+    "avx2": {"avx2", "fma", "f16c"},
+}
 # AVX-512 CPUs with VNNI (+BW): the int8-activation (gguf-a8) dot products use vpdpbusd / vpdpwssd,
 # K-quants 64 weights per zmm (same results as the AVX2 maddubs sequence, fewer instructions)
 VNNI_FLAGS = ("-mavx512vnni", "-mavx512vl", "-mavx512bw")
@@ -74,16 +86,16 @@ def isa_build_flags(isa: str, amx: bool = True) -> tuple[str, ...]:
     return ISA_FLAGS[isa] + VNNI_FLAGS + (AMX_FLAGS if amx and AMX_CPU_FLAGS <= cpu_flags() else ())
 
 
-def cpu_isa() -> str | None:
-    """The widest instruction set the kernel supports on this CPU ("avx512", "avx2") or None."""
+def cpu_isas() -> list[str]:
+    """The kernel builds this CPU can run, widest first (empty when none or unknown)."""
     flags = cpu_flags()
-    if not flags:
-        return None
-    if {"avx512f", "avx2", "fma", "f16c"} <= flags:
-        return "avx512"
-    if {"avx2", "fma", "f16c"} <= flags:
-        return "avx2"
-    return None
+    return [isa for isa, needs in ISA_CPU_FLAGS.items() if needs <= flags]
+
+
+def cpu_isa() -> str | None:
+    """The widest instruction set the kernel supports on this CPU ("avx512", "avx2-vnni", "avx2") or None."""
+    isas = cpu_isas()
+    return isas[0] if isas else None
 
 
 def find_compiler(compiler: str | None = None) -> str | None:
@@ -117,12 +129,12 @@ def resolve_isa(isa: str | None = None) -> str:
     isa = isa or os.environ.get(ENV_ISA) or None
     if isa is not None and isa not in ISA_FLAGS:
         raise ValueError(f"isa ({ENV_ISA}) must be one of {sorted(ISA_FLAGS)} or unset, got {isa!r}")
-    native_isa = cpu_isa()
-    if native_isa is None:
+    runnable = cpu_isas()
+    if not runnable:
         raise KernelUnavailable("this CPU lacks AVX2+FMA+F16C")
-    if isa == "avx512" and native_isa != "avx512":
-        raise KernelUnavailable(f"this CPU cannot run the avx512 kernel (it has {native_isa})")
-    return isa or native_isa
+    if isa is not None and isa not in runnable:
+        raise KernelUnavailable(f"this CPU cannot run the {isa} kernel (it has {runnable[0]})")
+    return isa or runnable[0]
 
 
 def build_library(cxx: str, isa: str, cache_dir: Path) -> Path:

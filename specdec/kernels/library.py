@@ -292,8 +292,9 @@ def load_library(
 ) -> SkinnyGemmLibrary:
     """Build (once, cached on disk) and load the kernel; raises KernelUnavailable with the reason.
 
-    `isa`: "avx2" or "avx512"; None = $SPECDEC_KERNEL_ISA, else the widest this CPU has. Results
-    are bitwise reproducible per ISA (the two sum in different orders). A build that failed is
+    `isa`: "avx512", "avx2-vnni" or "avx2"; None = $SPECDEC_KERNEL_ISA, else the widest this CPU has.
+    Results are bitwise reproducible per ISA (the fp32 paths of AVX-512 and AVX2 sum in different
+    orders; avx2-vnni is the AVX2 build with VNNI dot products: AVX2's bits in every mode). A build that failed is
     not tried again in the same process (the same reason is raised)."""
     isa = resolve_isa(isa)
     cxx = require_compiler(compiler)

@@ -67,6 +67,8 @@ void quantize_a8_row(const float* x, int64_t K, int block, uint8_t* out) {
 inline __m256i dot_u8_i8(__m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
 #else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
@@ -75,6 +77,8 @@ inline __m256i dot_u8_i8(__m256i u, __m256i s) {
 inline __m256i scaled_pairs(__m256i acc, __m256i pairs, __m256i scale16) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpwssd_epi32(acc, pairs, scale16);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, pairs, scale16);
 #else
   __m256i sum = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scale16));
   // integer adds are associative, so the compiler regroups a tile's adds into a tree of partial
@@ -84,6 +88,31 @@ inline __m256i scaled_pairs(__m256i acc, __m256i pairs, __m256i scale16) {
   return sum;
 #endif
 }
+
+#ifdef __AVXVNNI__
+// K-quants, AVX-VNNI: the int16 scale of each lane of _mm256_packs_epi32(dpbusd of sub-block 2p,
+// dpbusd of sub-block 2p + 1). Per 128-bit half: 4 lanes of sub-block 2p, then 4 of 2p + 1; the low
+// half covers bytes 0-15 of each sub-block, the high half bytes 16-31 (per-16 scales: groups 2 sb, 2 sb + 1).
+template <typename Fmt, typename Scales>
+inline __m256i pair_scale16(const Scales& s, int pair) {  // Scales: Fmt::A8Scales (s.sc: the int16 scales)
+  auto pick = [](int lo_a, int lo_b, int hi_a, int hi_b) {  // the byte indices of 4 x int16 scale a, 4 x b, per half
+    auto b0 = [](int k) { return (char)(2 * k); };
+    auto b1 = [](int k) { return (char)(2 * k + 1); };
+    return _mm256_setr_epi8(b0(lo_a), b1(lo_a), b0(lo_a), b1(lo_a), b0(lo_a), b1(lo_a), b0(lo_a), b1(lo_a),
+                            b0(lo_b), b1(lo_b), b0(lo_b), b1(lo_b), b0(lo_b), b1(lo_b), b0(lo_b), b1(lo_b),
+                            b0(hi_a), b1(hi_a), b0(hi_a), b1(hi_a), b0(hi_a), b1(hi_a), b0(hi_a), b1(hi_a),
+                            b0(hi_b), b1(hi_b), b0(hi_b), b1(hi_b), b0(hi_b), b1(hi_b), b0(hi_b), b1(hi_b));
+  };
+  if constexpr (Fmt::kA8ScalePer16) {  // sc[g] per 16 weights: pairs 0, 1 read sc[0..7], pairs 2, 3 sc[8..15]
+    const __m256i half = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)(s.sc + 8 * (pair / 2))));
+    const int g = 4 * (pair % 2);  // sub-block 2p's groups g, g + 1 and 2p + 1's g + 2, g + 3 within the eight
+    return _mm256_shuffle_epi8(half, pick(g, g + 2, g + 1, g + 3));
+  } else {  // sc[sb] per 32 weights
+    const __m256i all = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)s.sc));
+    return _mm256_shuffle_epi8(all, pick(2 * pair, 2 * pair + 1, 2 * pair, 2 * pair + 1));
+  }
+}
+#endif
 
 // K-quant tiles that keep the AVX2 build's sums of all MR x NR outputs per sub-block (the decoded
 // scratch of many rows, whose quants and scales are plain loads), where the blocks' own tiles walk
@@ -518,6 +547,27 @@ void a8_tile(const TileArgs& a) {
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
         if (c < NR) {
+#ifdef __AVXVNNI__
+          // vpdpbusd sums 4 byte products per int32 lane, each within int16 (|.| <= 4 * 63 * 127), so two
+          // sub-blocks' lanes pack into one vector of int16 (exact) and ONE vpdpwssd applies both scales:
+          // 3 multiply uops per 64 weights where maddubs + madd per sub-block take 4 (the zmm quad step)
+#pragma GCC unroll 4
+          for (int pair = 0; pair < kSubs / 2; ++pair) {
+            __m256i w0 = Fmt::quants32(a.w + c * a.ldw + offset, 2 * pair);
+            __m256i w1 = Fmt::quants32(a.w + c * a.ldw + offset, 2 * pair + 1);
+            if constexpr (kOffset != 0) {
+              w0 = _mm256_add_epi8(w0, _mm256_set1_epi8(kOffset)), w1 = _mm256_add_epi8(w1, _mm256_set1_epi8(kOffset));
+            }
+            const __m256i scale16 = pair_scale16<Fmt>(scales[c], pair);
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; ++r) {
+              const uint8_t* xq = a.xq + r * a.ldxq + kb + 2 * kA8Sub * pair;
+              const __m256i products = _mm256_packs_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w0, load32(xq)),
+                                                          _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w1, load32(xq + kA8Sub)));
+              isum[r] = _mm256_dpwssd_avx_epi32(isum[r], products, scale16);
+            }
+          }
+#else
 #pragma GCC unroll 8
           for (int sub = 0; sub < kSubs; ++sub) {
             __m256i wq = Fmt::quants32(a.w + c * a.ldw + offset, sub);
@@ -527,6 +577,7 @@ void a8_tile(const TileArgs& a) {
             for (int r = 0; r < MR; ++r)
               isum[r] = scaled_pairs(isum[r], _mm256_maddubs_epi16(wq, load32(a.xq + r * a.ldxq + kb + kA8Sub * sub)), scale16);
           }
+#endif
           if constexpr (kOffset != 0) {  // a scale per 16 weights (Q6_K), -offset * scale fits int16
             const __m256i neg_offset_scales = _mm256_mullo_epi16(_mm256_load_si256((const __m256i*)scales[c].sc), _mm256_set1_epi16((short)-kOffset));
 #pragma GCC unroll 8
@@ -607,14 +658,13 @@ struct DecodedKQuantA8 {  // a8_tile's view of a DecodedKQuantBlock
   static constexpr int kBlock = 256, kBytes = sizeof(DecodedKQuantBlock);
   static constexpr bool kTail = false, kSigned = Fmt::kSigned, kHasMin = Fmt::kHasMin;
   static constexpr int kA8Block = 256, kQuantOffset = Fmt::kQuantOffset;
-  static constexpr bool kRowsOuter = true;
+  static constexpr bool kRowsOuter = true, kA8ScalePer16 = Fmt::kA8ScalePer16;
   using A8Scales = DecodedKQuantScales;
   static const DecodedKQuantBlock& of(const uint8_t* b) { return *(const DecodedKQuantBlock*)b; }
   static __m256i quants32(const uint8_t* b, int sub) { return _mm256_load_si256((const __m256i*)(of(b).quants + 32 * sub)); }
 #ifdef SG_A8_ZMM
   static void prepare_a8(const uint8_t* b, A8Scales& s) { s = {of(b).d, of(b).dmin, of(b).m, of(b).sc, nullptr}; }
   static constexpr int kZmmOffset = Fmt::kZmmOffset;
-  static constexpr bool kA8ScalePer16 = Fmt::kA8ScalePer16;
   static __m512i quants64(const uint8_t* b, int pair) { return _mm512_load_si512((const void*)(of(b).quants + 64 * pair)); }
 #else
   static void prepare_a8(const uint8_t* b, A8Scales& s) { s = {of(b).d, of(b).dmin, of(b).m, of(b).sc, of(b).scale16}; }
@@ -740,9 +790,10 @@ int sg_quantize_a8(const float* x, int64_t M, int64_t K, int block, uint8_t* out
   return 0;
 }
 
-// 1 when the integer dot products use VNNI (vpdpbusd), 0 for AVX2 maddubs; same results either way.
+// 1 when the integer dot products use VNNI (vpdpbusd: AVX-512 VNNI, or AVX-VNNI on 256 bits), 0 for AVX2
+// maddubs; same results either way.
 int sg_a8_vnni() {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
   return 1;
 #else
   return 0;

@@ -80,7 +80,11 @@ inline tail_mask make_tail_mask(int64_t remaining) {
 inline vec vload_tail(const float* p, tail_mask m) { return _mm256_maskload_ps(p, m); }
 inline float hsum256(__m256 v);
 inline float vhsum(vec v) { return hsum256(v); }
+#ifdef __AVXVNNI__
+constexpr const char* kIsa = "avx2-vnni";  // the AVX2 build whose a8 dot products use AVX-VNNI (a8.cpp)
+#else
 constexpr const char* kIsa = "avx2";
+#endif
 #else
 #error "skinny_gemm needs AVX2 + FMA (or AVX-512F)"
 #endif
@@ -458,6 +462,7 @@ struct Q4_KFormat {  // d, dmin fp16, scales[12], qs[128]: sub-block 2i / 2i+1 =
   static constexpr int64_t kA8DecodeOnceMinBlocks = kA8DecodeOnceFewBlocks;
   static constexpr bool kSigned = false, kHasMin = true;
   static constexpr int kQuantOffset = 0;  // quants32 + this = the unsigned quant (AVX2 K-quant tile)
+  static constexpr bool kA8ScalePer16 = false;  // an integer scale per 32 weights
   using A8Scales = KQuantA8Scales;
   static void prepare_a8(const uint8_t* b, A8Scales& s) { k_quant_a8_scales(b, s); }
   static __m256i quants32(const uint8_t* b, int sub) { return nibbles32(b + 16 + 32 * (sub / 2), sub % 2); }
@@ -465,7 +470,6 @@ struct Q4_KFormat {  // d, dmin fp16, scales[12], qs[128]: sub-block 2i / 2i+1 =
 #ifdef SG_A8_ZMM
   static constexpr int kZmmOffset = 0;  // quants64 - kZmmOffset = the weights
   static __m512i quants64(const uint8_t* b, int pair) { return nibble_pair64(b + 16 + 32 * pair); }
-  static constexpr bool kA8ScalePer16 = false;
 #endif
 };
 
@@ -484,6 +488,7 @@ struct Q5_KFormat {  // d, dmin, scales[12], qh[32] (bit s of qh[j] = 5th bit of
   static constexpr int64_t kA8DecodeOnceMinBlocks = kA8DecodeOnceFewBlocks;
   static constexpr bool kSigned = false, kHasMin = true;
   static constexpr int kQuantOffset = 0;  // quants32 + this = the unsigned quant (AVX2 K-quant tile)
+  static constexpr bool kA8ScalePer16 = false;  // an integer scale per 32 weights
   using A8Scales = KQuantA8Scales;
   static void prepare_a8(const uint8_t* b, A8Scales& s) { k_quant_a8_scales(b, s); }
   static __m256i quants32(const uint8_t* b, int sub) {
@@ -499,7 +504,6 @@ struct Q5_KFormat {  // d, dmin, scales[12], qh[32] (bit s of qh[j] = 5th bit of
     const __m512i high = _mm512_slli_epi16(_mm512_and_si512(qh, _mm512_set1_epi8(1)), 4);
     return _mm512_or_si512(nibble_pair64(b + 48 + 32 * pair), high);
   }
-  static constexpr bool kA8ScalePer16 = false;
 #endif
 };
 
@@ -532,6 +536,7 @@ struct Q6_KFormat {  // ql[128], qh[64], scales int8[16] (one per 16 weights), d
 #endif
   static constexpr bool kSigned = true, kHasMin = false;
   static constexpr int kQuantOffset = 32;  // quants32 + 32 = the 6-bit quant, 0..63
+  static constexpr bool kA8ScalePer16 = true;  // an integer scale per 16 weights
   using A8Scales = KQuantA8Scales;
   static void prepare_a8(const uint8_t* b, A8Scales& s) {
     s.d = fp16_to_fp32(b + 208);
@@ -562,7 +567,6 @@ struct Q6_KFormat {  // ql[128], qh[64], scales int8[16] (one per 16 weights), d
     const __m512i high = _mm512_and_si512(_mm512_slli_epi16(qh, 4), _mm512_set1_epi8(0x30));
     return _mm512_or_si512(low, high);
   }
-  static constexpr bool kA8ScalePer16 = true;
 #endif
 };
 
