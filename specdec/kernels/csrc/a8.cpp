@@ -89,27 +89,52 @@ inline __m256i scaled_pairs(__m256i acc, __m256i pairs, __m256i scale16) {
 #endif
 }
 
-#ifdef __AVXVNNI__
-// K-quants, AVX-VNNI: the int16 scale of each lane of _mm256_packs_epi32(dpbusd of sub-block 2p,
-// dpbusd of sub-block 2p + 1). Per 128-bit half: 4 lanes of sub-block 2p, then 4 of 2p + 1; the low
-// half covers bytes 0-15 of each sub-block, the high half bytes 16-31 (per-16 scales: groups 2 sb, 2 sb + 1).
-template <typename Fmt, typename Scales>
+// K-quants on 256 bits: sub-blocks 2p and 2p + 1 ("a", "b") share one scale multiply. The int16
+// scale vector for a pair, per 128-bit half (the low half covers bytes 0-15 of each sub-block, the
+// high half bytes 16-31; per-16 scales: groups 2 sb, 2 sb + 1), in one of two lane layouts:
+// - kPacked (AVX-VNNI): the lanes of _mm256_packs_epi32(dpbusd of a, dpbusd of b): 4 x a, then 4 x b;
+// - kInterleaved (plain AVX2, SG_A8_PAIRED): the lanes of maddubs over a and b's quants interleaved
+//   by unpacklo / unpackhi_epi16: a, b, a, b, ...
+enum class PairLanes { kPacked, kInterleaved };
+template <typename Fmt, PairLanes kLanes, typename Scales>
 inline __m256i pair_scale16(const Scales& s, int pair) {  // Scales: Fmt::A8Scales (s.sc: the int16 scales)
-  auto pick = [](int lo_a, int lo_b, int hi_a, int hi_b) {  // the byte indices of 4 x int16 scale a, 4 x b, per half
+  auto pick = [](int lo_a, int lo_b, int hi_a, int hi_b) {  // the byte indices of the scales a, b per half
     auto b0 = [](int k) { return (char)(2 * k); };
     auto b1 = [](int k) { return (char)(2 * k + 1); };
-    return _mm256_setr_epi8(b0(lo_a), b1(lo_a), b0(lo_a), b1(lo_a), b0(lo_a), b1(lo_a), b0(lo_a), b1(lo_a),
-                            b0(lo_b), b1(lo_b), b0(lo_b), b1(lo_b), b0(lo_b), b1(lo_b), b0(lo_b), b1(lo_b),
-                            b0(hi_a), b1(hi_a), b0(hi_a), b1(hi_a), b0(hi_a), b1(hi_a), b0(hi_a), b1(hi_a),
-                            b0(hi_b), b1(hi_b), b0(hi_b), b1(hi_b), b0(hi_b), b1(hi_b), b0(hi_b), b1(hi_b));
+    if constexpr (kLanes == PairLanes::kPacked)
+      return _mm256_setr_epi8(b0(lo_a), b1(lo_a), b0(lo_a), b1(lo_a), b0(lo_a), b1(lo_a), b0(lo_a), b1(lo_a),
+                              b0(lo_b), b1(lo_b), b0(lo_b), b1(lo_b), b0(lo_b), b1(lo_b), b0(lo_b), b1(lo_b),
+                              b0(hi_a), b1(hi_a), b0(hi_a), b1(hi_a), b0(hi_a), b1(hi_a), b0(hi_a), b1(hi_a),
+                              b0(hi_b), b1(hi_b), b0(hi_b), b1(hi_b), b0(hi_b), b1(hi_b), b0(hi_b), b1(hi_b));
+    else
+      return _mm256_setr_epi8(b0(lo_a), b1(lo_a), b0(lo_b), b1(lo_b), b0(lo_a), b1(lo_a), b0(lo_b), b1(lo_b),
+                              b0(lo_a), b1(lo_a), b0(lo_b), b1(lo_b), b0(lo_a), b1(lo_a), b0(lo_b), b1(lo_b),
+                              b0(hi_a), b1(hi_a), b0(hi_b), b1(hi_b), b0(hi_a), b1(hi_a), b0(hi_b), b1(hi_b),
+                              b0(hi_a), b1(hi_a), b0(hi_b), b1(hi_b), b0(hi_a), b1(hi_a), b0(hi_b), b1(hi_b));
   };
   if constexpr (Fmt::kA8ScalePer16) {  // sc[g] per 16 weights: pairs 0, 1 read sc[0..7], pairs 2, 3 sc[8..15]
     const __m256i half = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)(s.sc + 8 * (pair / 2))));
-    const int g = 4 * (pair % 2);  // sub-block 2p's groups g, g + 1 and 2p + 1's g + 2, g + 3 within the eight
+    const int g = 4 * (pair % 2);  // a's groups g, g + 1 and b's g + 2, g + 3 within the eight
     return _mm256_shuffle_epi8(half, pick(g, g + 2, g + 1, g + 3));
   } else {  // sc[sb] per 32 weights
     const __m256i all = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)s.sc));
     return _mm256_shuffle_epi8(all, pick(2 * pair, 2 * pair + 1, 2 * pair, 2 * pair + 1));
+  }
+}
+
+#if !defined(SG_A8_ZMM) && !defined(__AVXVNNI__)
+// The plain AVX2 build pairs the K-quants' sub-blocks without VNNI: its K-quant activation rows keep
+// each 64 quants of sub-blocks 2p, 2p + 1 (a, b) as [unpacklo_epi16(a, b) | unpackhi_epi16(a, b)]
+// (pair_sub_blocks, once per row and call), and the tile interleaves the weights the same way. Then
+// each int16 lane of maddubs is a pair of a's products or of b's, the two halves' maddubs add in
+// int16 (|.| <= 4 * 63 * 127) and ONE madd applies both scales: 3 multiplies per 64 weights and row
+// where maddubs + madd per sub-block take 4. The same integer products, so the same totals and bits.
+#define SG_A8_PAIRED 1
+inline void pair_sub_blocks(uint8_t* q, int64_t K) {  // K a multiple of 64
+  for (int64_t k = 0; k < K; k += 2 * kA8Sub) {
+    const __m256i a = load32(q + k), b = load32(q + k + kA8Sub);
+    _mm256_storeu_si256((__m256i*)(q + k), _mm256_unpacklo_epi16(a, b));
+    _mm256_storeu_si256((__m256i*)(q + k + kA8Sub), _mm256_unpackhi_epi16(a, b));
   }
 }
 #endif
@@ -519,6 +544,25 @@ void a8_tile(const TileArgs& a) {
         for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
           for (int c = 0; c < NR; ++c) isum[r][c] = _mm256_setzero_si256();
+#ifdef SG_A8_PAIRED
+        // the scratch holds each sub-block pair interleaved with one scale vector (Decoded::decode): the
+        // two halves' maddubs add in int16 (|.| <= 4 * 32 * 127 signed, 4 * 31 * 127 unsigned), one madd
+        auto quants = [&](int c, int half) { return Fmt::quants32(a.w + c * a.ldw + offset, half); };
+#pragma GCC unroll 4
+        for (int pair = 0; pair < kSubs / 2; ++pair) {
+#pragma GCC unroll 8
+          for (int r = 0; r < MR; ++r) {
+            const __m256i x0 = load32(a.xq + r * a.ldxq + kb + 2 * kA8Sub * pair), x1 = load32(a.xq + r * a.ldxq + kb + 2 * kA8Sub * pair + kA8Sub);
+#pragma GCC unroll 8
+            for (int c = 0; c < NR; ++c) {
+              const __m256i w0 = quants(c, 2 * pair), w1 = quants(c, 2 * pair + 1);
+              const __m256i p0 = Fmt::kSigned ? _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)) : _mm256_maddubs_epi16(w0, x0);
+              const __m256i p1 = Fmt::kSigned ? _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1)) : _mm256_maddubs_epi16(w1, x1);
+              isum[r][c] = scaled_pairs(isum[r][c], _mm256_add_epi16(p0, p1), Fmt::a8_scale16(scales[c], 2 * pair));
+            }
+          }
+        }
+#else
 #pragma GCC unroll 8
         for (int sub = 0; sub < kSubs; ++sub) {
           __m256i wq[NR], wsign[NR], scale16[NR];  // |q| for signed formats (the sign moves onto the activations)
@@ -536,6 +580,7 @@ void a8_tile(const TileArgs& a) {
               isum[r][c] = scaled_pairs(isum[r][c], _mm256_maddubs_epi16(wq[c], Fmt::kSigned ? _mm256_sign_epi8(xv, wsign[c]) : xv), scale16[c]);
           }
         }
+#endif
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
@@ -558,7 +603,7 @@ void a8_tile(const TileArgs& a) {
             if constexpr (kOffset != 0) {
               w0 = _mm256_add_epi8(w0, _mm256_set1_epi8(kOffset)), w1 = _mm256_add_epi8(w1, _mm256_set1_epi8(kOffset));
             }
-            const __m256i scale16 = pair_scale16<Fmt>(scales[c], pair);
+            const __m256i scale16 = pair_scale16<Fmt, PairLanes::kPacked>(scales[c], pair);
 #pragma GCC unroll 8
             for (int r = 0; r < MR; ++r) {
               const uint8_t* xq = a.xq + r * a.ldxq + kb + 2 * kA8Sub * pair;
@@ -567,15 +612,22 @@ void a8_tile(const TileArgs& a) {
               isum[r] = _mm256_dpwssd_avx_epi32(isum[r], products, scale16);
             }
           }
-#else
+#else  // SG_A8_PAIRED: the activations' sub-block pairs are interleaved (pair_sub_blocks), so are the weights
+#pragma GCC unroll 4
+          for (int pair = 0; pair < kSubs / 2; ++pair) {
+            __m256i wa = Fmt::quants32(a.w + c * a.ldw + offset, 2 * pair);
+            __m256i wb = Fmt::quants32(a.w + c * a.ldw + offset, 2 * pair + 1);
+            if constexpr (kOffset != 0) {
+              wa = _mm256_add_epi8(wa, _mm256_set1_epi8(kOffset)), wb = _mm256_add_epi8(wb, _mm256_set1_epi8(kOffset));
+            }
+            const __m256i low = _mm256_unpacklo_epi16(wa, wb), high = _mm256_unpackhi_epi16(wa, wb);
+            const __m256i scale16 = pair_scale16<Fmt, PairLanes::kInterleaved>(scales[c], pair);
 #pragma GCC unroll 8
-          for (int sub = 0; sub < kSubs; ++sub) {
-            __m256i wq = Fmt::quants32(a.w + c * a.ldw + offset, sub);
-            if constexpr (kOffset != 0) wq = _mm256_add_epi8(wq, _mm256_set1_epi8(kOffset));
-            const __m256i scale16 = Fmt::a8_scale16(scales[c], sub);
-#pragma GCC unroll 8
-            for (int r = 0; r < MR; ++r)
-              isum[r] = scaled_pairs(isum[r], _mm256_maddubs_epi16(wq, load32(a.xq + r * a.ldxq + kb + kA8Sub * sub)), scale16);
+            for (int r = 0; r < MR; ++r) {
+              const uint8_t* xq = a.xq + r * a.ldxq + kb + 2 * kA8Sub * pair;
+              const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, load32(xq)), _mm256_maddubs_epi16(high, load32(xq + kA8Sub)));
+              isum[r] = scaled_pairs(isum[r], pairs, scale16);
+            }
           }
 #endif
           if constexpr (kOffset != 0) {  // a scale per 16 weights (Q6_K), -offset * scale fits int16
@@ -687,6 +739,16 @@ struct Decoded<Fmt, true, std::enable_if_t<Fmt::kA8Block == 256>> {
 #ifdef SG_A8_ZMM
 #pragma GCC unroll 4
     for (int pair = 0; pair < 4; ++pair) _mm512_store_si512((void*)(d.quants + 64 * pair), Fmt::quants64(block, pair));
+#elif defined(SG_A8_PAIRED)  // the activations' order (pair_sub_blocks): each pair interleaved, one scale vector
+#pragma GCC unroll 4
+    for (int pair = 0; pair < 4; ++pair) {
+      const __m256i qa = Fmt::quants32(block, 2 * pair), qb = Fmt::quants32(block, 2 * pair + 1);
+      const __m256i scale16 = pair_scale16<Fmt, PairLanes::kInterleaved>(scales, pair);
+      _mm256_store_si256((__m256i*)(d.quants + 64 * pair), _mm256_unpacklo_epi16(qa, qb));
+      _mm256_store_si256((__m256i*)(d.quants + 64 * pair + 32), _mm256_unpackhi_epi16(qa, qb));
+      _mm256_store_si256((__m256i*)(d.scale16 + 64 * pair), scale16);
+      _mm256_store_si256((__m256i*)(d.scale16 + 64 * pair + 32), scale16);
+    }
 #else
 #pragma GCC unroll 8
     for (int sub = 0; sub < 8; ++sub) {
@@ -764,7 +826,12 @@ int sg_linear_gguf_a8(const float* x, int64_t M, int64_t K, const uint8_t* w, in
   int status;
   if (bad_shape(x, M, K, w, N, y, &status)) return status;
   std::vector<uint8_t> xq((size_t)(M * a8_row_bytes(K)));  // [M, a8_row_bytes(K)]
-  for (int64_t i = 0; i < M; ++i) quantize_a8_row(x + i * K, K, f->a8_block, xq.data() + i * a8_row_bytes(K));
+  for (int64_t i = 0; i < M; ++i) {
+    quantize_a8_row(x + i * K, K, f->a8_block, xq.data() + i * a8_row_bytes(K));
+#ifdef SG_A8_PAIRED
+    if (f->a8_block == 256) pair_sub_blocks(xq.data() + i * a8_row_bytes(K), K);  // the K-quant tiles' order
+#endif
+  }
   LinearJob job{x, M, K, w, K / f->block * f->bytes, nullptr, N, bias, y, 0, 0, f->run_tiles_a8};
   job.xq = xq.data();
 #ifdef SG_AMX

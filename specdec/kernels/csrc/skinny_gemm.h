@@ -594,7 +594,9 @@ struct TileArgs {
 // One activation row is, in bytes (K / 32 slots per table; K-quants use the first K / 256 d):
 //     q int8[K] | d float[K / 32] | ds float[K / 32] | bsum int16[K / 32] | bsum16 int16[K / 16]
 // with bsum = the sum of q over each 32, ds = d * bsum (the min formats' terms) and bsum16 = the sum
-// of q over each 16 (Q6_K's offset term on the AVX2 build).
+// of q over each 16 (Q6_K's offset term on the AVX2 build). The plain AVX2 build stores the q of
+// K-quant rows (blocks of 256) in sub-block pairs interleaved (a8.cpp, pair_sub_blocks); the sums
+// are over the natural order.
 constexpr int kA8Sub = 32;
 inline int64_t a8_row_bytes(int64_t K) {
   return K + (K / kA8Sub) * (int64_t)(2 * sizeof(float) + sizeof(int16_t)) + (K / 16) * (int64_t)sizeof(int16_t);
