@@ -350,6 +350,27 @@ def test_a_compiler_without_amx_intrinsics_builds_the_kernel_without_tiles(tmp_p
     assert not library.set_amx(True) and not library.amx
 
 
+def test_a_compiler_without_avx_vnni_gives_the_avx2_build(tmp_path, monkeypatch):
+    """On an AVX2 CPU with AVX-VNNI the widest build is avx2-vnni; a compiler that rejects -mavxvnni
+    (gcc < 11) gives the AVX2 build instead of no kernel, unless avx2-vnni was asked for by name."""
+    from specdec.kernels import build, load_library
+    from specdec.kernels.build import find_compiler
+
+    if not {"avx2", "fma", "f16c"} <= build.cpu_flags():
+        pytest.skip("no AVX2 here")
+    monkeypatch.setattr(build, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx_vnni"})  # as an Alder Lake laptop
+    monkeypatch.delenv("SPECDEC_KERNEL_ISA", raising=False)
+    wrapper = tmp_path / "cxx-without-avx-vnni"
+    wrapper.write_text("#!/bin/sh\n"
+                       'for arg in "$@"; do case "$arg" in -mavxvnni) echo "unrecognized option $arg" >&2; exit 1;; esac; done\n'
+                       f'exec "{find_compiler()}" "$@"\n')
+    wrapper.chmod(0o755)
+    library = load_library(compiler=str(wrapper), cache_dir=tmp_path / "kernels")
+    assert library.isa == "avx2" and not library.a8_vnni
+    with pytest.raises(KernelUnavailable, match="failed"):
+        load_library(compiler=str(wrapper), isa="avx2-vnni", cache_dir=tmp_path / "kernels")
+
+
 def test_a8_mode_errors_are_clear():
     backend = CppSkinnyLinear()
     blocks = random_blocks("Q8_0", 4, 64, seed=0)

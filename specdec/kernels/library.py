@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .build import KernelUnavailable, build_library, kernel_cache_dir, require_compiler, resolve_isa
+from .build import ENV_ISA, KernelUnavailable, build_library, kernel_cache_dir, require_compiler, resolve_isa
 
 ENV_SPIN_US = "SPECDEC_KERNEL_SPIN_US"
 ENV_AMX = "SPECDEC_KERNEL_AMX"
@@ -292,21 +292,28 @@ def load_library(
 ) -> SkinnyGemmLibrary:
     """Build (once, cached on disk) and load the kernel; raises KernelUnavailable with the reason.
 
-    `isa`: "avx512", "avx2-vnni" or "avx2"; None = $SPECDEC_KERNEL_ISA, else the widest this CPU has.
-    Results are bitwise reproducible per ISA (the fp32 paths of AVX-512 and AVX2 sum in different
-    orders; avx2-vnni is the AVX2 build with VNNI dot products: AVX2's bits in every mode). A build that failed is
-    not tried again in the same process (the same reason is raised)."""
-    isa = resolve_isa(isa)
+    `isa`: "avx512", "avx2-vnni" or "avx2"; None = $SPECDEC_KERNEL_ISA, else the widest this CPU has
+    (avx2 where the compiler cannot build avx2-vnni). Results are
+    bitwise reproducible per ISA (the fp32 paths of AVX-512 and AVX2 sum in different orders;
+    avx2-vnni is the AVX2 build with VNNI dot products: AVX2's bits in every mode). A build that
+    failed is not tried again in the same process (the same reason is raised)."""
+    pinned = isa or os.environ.get(ENV_ISA) or None
+    widest = resolve_isa(isa)
+    # unpinned avx2-vnni: a compiler without AVX-VNNI intrinsics (gcc < 11) gives the AVX2 build
+    candidates = [widest, "avx2"] if widest == "avx2-vnni" and not pinned else [widest]
     cxx = require_compiler(compiler)
     cache_dir = Path(cache_dir) if cache_dir is not None else kernel_cache_dir()
-    key = (cxx, isa, str(cache_dir))
-    with _BUILD_LOCK:
-        if key not in _LIBRARIES:
-            _LIBRARIES[key] = _build_and_load(cxx, isa, cache_dir)
-        loaded = _LIBRARIES[key]
-    if isinstance(loaded, KernelUnavailable):
-        raise KernelUnavailable(str(loaded))
-    return loaded
+    first_failure = None
+    for candidate in candidates:
+        key = (cxx, candidate, str(cache_dir))
+        with _BUILD_LOCK:
+            if key not in _LIBRARIES:
+                _LIBRARIES[key] = _build_and_load(cxx, candidate, cache_dir)
+            loaded = _LIBRARIES[key]
+        if not isinstance(loaded, KernelUnavailable):
+            return loaded
+        first_failure = first_failure or loaded
+    raise KernelUnavailable(str(first_failure))
 
 
 def _build_and_load(cxx: str, isa: str, cache_dir: Path) -> SkinnyGemmLibrary | KernelUnavailable:
