@@ -525,7 +525,8 @@ void a8_tile(const TileArgs& a) {
         k_quant_update16<Fmt, MR, NR>(isum2, scales, a, kb);
       }
 #else
-      // per output: 8 int32 lanes, lane j = sum over sub-blocks of sc * (bytes 4j..4j+3); columns past NR zero.
+      // per output: 8 int32 lanes of scaled products (which products a lane holds depends on the build's
+      // pairing; their sum, the output's total, does not); columns past NR zero.
       // Columns outer, sub-blocks and rows inner: one column's MR sums, its quants and scales fit the 16
       // ymm registers (all MR x NR sums at once spilled every sub-block's products); x is re-read from L1.
       // Signed quants (Q6_K) as unsigned u = q + kQuantOffset (maddubs wants one unsigned side): the
@@ -592,10 +593,8 @@ void a8_tile(const TileArgs& a) {
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
         if (c < NR) {
-#ifdef __AVXVNNI__
-          // vpdpbusd sums 4 byte products per int32 lane, each within int16 (|.| <= 4 * 63 * 127), so two
-          // sub-blocks' lanes pack into one vector of int16 (exact) and ONE vpdpwssd applies both scales:
-          // 3 multiply uops per 64 weights where maddubs + madd per sub-block take 4 (the zmm quad step)
+          // sub-blocks 2p, 2p + 1 share one scale multiply: 3 multiplies per 64 weights and row where
+          // maddubs + madd per sub-block take 4 (pair_scale16: the lanes of either step)
 #pragma GCC unroll 4
           for (int pair = 0; pair < kSubs / 2; ++pair) {
             __m256i w0 = Fmt::quants32(a.w + c * a.ldw + offset, 2 * pair);
@@ -603,6 +602,9 @@ void a8_tile(const TileArgs& a) {
             if constexpr (kOffset != 0) {
               w0 = _mm256_add_epi8(w0, _mm256_set1_epi8(kOffset)), w1 = _mm256_add_epi8(w1, _mm256_set1_epi8(kOffset));
             }
+#ifdef __AVXVNNI__
+            // vpdpbusd sums 4 byte products per int32 lane, each within int16 (|.| <= 4 * 63 * 127), so
+            // the two sub-blocks' lanes pack into one vector of int16 (exact) and ONE vpdpwssd scales both
             const __m256i scale16 = pair_scale16<Fmt, PairLanes::kPacked>(scales[c], pair);
 #pragma GCC unroll 8
             for (int r = 0; r < MR; ++r) {
@@ -611,16 +613,8 @@ void a8_tile(const TileArgs& a) {
                                                           _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w1, load32(xq + kA8Sub)));
               isum[r] = _mm256_dpwssd_avx_epi32(isum[r], products, scale16);
             }
-          }
-#else  // SG_A8_PAIRED: the activations' sub-block pairs are interleaved (pair_sub_blocks), so are the weights
-#pragma GCC unroll 4
-          for (int pair = 0; pair < kSubs / 2; ++pair) {
-            __m256i wa = Fmt::quants32(a.w + c * a.ldw + offset, 2 * pair);
-            __m256i wb = Fmt::quants32(a.w + c * a.ldw + offset, 2 * pair + 1);
-            if constexpr (kOffset != 0) {
-              wa = _mm256_add_epi8(wa, _mm256_set1_epi8(kOffset)), wb = _mm256_add_epi8(wb, _mm256_set1_epi8(kOffset));
-            }
-            const __m256i low = _mm256_unpacklo_epi16(wa, wb), high = _mm256_unpackhi_epi16(wa, wb);
+#else  // SG_A8_PAIRED: the activations' pairs are interleaved (pair_sub_blocks), so are the weights
+            const __m256i low = _mm256_unpacklo_epi16(w0, w1), high = _mm256_unpackhi_epi16(w0, w1);
             const __m256i scale16 = pair_scale16<Fmt, PairLanes::kInterleaved>(scales[c], pair);
 #pragma GCC unroll 8
             for (int r = 0; r < MR; ++r) {
@@ -628,8 +622,8 @@ void a8_tile(const TileArgs& a) {
               const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, load32(xq)), _mm256_maddubs_epi16(high, load32(xq + kA8Sub)));
               isum[r] = scaled_pairs(isum[r], pairs, scale16);
             }
-          }
 #endif
+          }
           if constexpr (kOffset != 0) {  // a scale per 16 weights (Q6_K), -offset * scale fits int16
             const __m256i neg_offset_scales = _mm256_mullo_epi16(_mm256_load_si256((const __m256i*)scales[c].sc), _mm256_set1_epi16((short)-kOffset));
 #pragma GCC unroll 8
