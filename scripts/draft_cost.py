@@ -17,6 +17,9 @@ loop's per-step times include each generation's prefills, so the draft step is a
 
     python scripts/draft_cost.py --model qwen2.5-coder-1.5b --weights gguf-a8 --small-model qwen2.5-coder-0.5b \
         --draft-vocabs 0,32768,8192 --eagle-depths 1 --skip-block
+
+`--prefill N` also times the small-model drafter's catch-up of an N-token prompt (its prefill, as
+drafting runs it).
 """
 
 from __future__ import annotations
@@ -69,6 +72,19 @@ def step_ratio(target, drafter, rounds: int) -> dict:
     return {"draft_forward_ms": draft_ms, "target_forward_ms": target_ms, "step_ratio": draft_ms / target_ms}
 
 
+def prefill_ms(drafter, num_tokens: int, rounds: int = 3) -> float:
+    """The small-model drafter's catch-up of a `num_tokens` prompt (its first sync, as drafting
+    runs it: the LM head on the last row only), minimum over `rounds` fresh caches."""
+    times = []
+    for round_index in range(rounds):
+        prompt = torch.randint(100, 20000, (num_tokens,), generator=torch.Generator().manual_seed(round_index)).tolist()
+        lm = drafter._new_draft_lm(num_tokens + 1)
+        start = time.perf_counter()
+        lm.sync(prompt)
+        times.append(1e3 * (time.perf_counter() - start))
+    return min(times)
+
+
 def untrained_drafter(target, kind: str, directory: str, num_positions: int, **options):
     heads = build_heads(kind, target, num_positions, **options)
     ranking = {"draft_vocab": {"ids": list(range(target.vocab_size))}}  # any ranking: only its size matters for cost
@@ -90,6 +106,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-vocabs", default="0,32768", help="small-model draft_vocab sizes to time (0 = all)")
     parser.add_argument("--step-rounds", type=int, default=40,
                         help="one-token forwards of each model for the draft step / target step ratio")
+    parser.add_argument("--prefill", type=int, default=0,
+                        help="also time the small-model drafter's catch-up of a prompt this long (its prefill)")
     parser.add_argument("--skip-block", action="store_true", help="leave out the DSpark / DFlash / EAGLE-3 rows")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
@@ -107,6 +125,8 @@ def main(argv=None) -> int:
                                gamma=args.small_model_gamma, draft_vocab=vocab)
         row = per_step_ms(target, drafter, args.max_new_tokens, args.small_model_gamma)
         rows[f"small-model vocab {vocab or 'all'}"] = {**row, **step_ratio(target, drafter, args.step_rounds)}
+        if args.prefill:
+            rows[f"small-model vocab {vocab or 'all'}"]["prefill_ms"] = prefill_ms(drafter, args.prefill)
         del drafter
     print(f"{args.model} ({args.weights or 'default'} weights), draft weights {args.draft_weights}: T(1) = {t1:.1f} ms (plain decoding's verify per step, this process)")
     print(f"{'config':24s} {'drafted':>8s} {'draft ms':>9s} {'/T(1)':>6s} {'per token /T(1)':>16s} {'verify ms':>10s} {'/T(1)':>6s}")
@@ -118,6 +138,9 @@ def main(argv=None) -> int:
         if "step_ratio" in row:
             print(f"{name}: one draft-model forward {row['draft_forward_ms']:.1f} ms / one target forward "
                   f"{row['target_forward_ms']:.1f} ms = {row['step_ratio']:.2f} (1 token each, medians, alternating)")
+        if "prefill_ms" in row:
+            print(f"{name}: catch-up of a {args.prefill}-token prompt {row['prefill_ms']:.0f} ms "
+                  f"({row['prefill_ms'] / args.prefill:.2f} ms a token, minimum of 3)")
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"model": args.model, "t1_ms": t1, "rows": rows}, out, indent=2)

@@ -57,14 +57,16 @@ class CountingTarget:
         self.inner = inner
         self.forwards = 0
         self.tokens_fed = 0
+        self.calls: list[tuple[int, torch.Tensor | None]] = []  # (tokens fed, logits_at) per forward
 
     def __getattr__(self, attribute):
         return getattr(self.inner, attribute)
 
-    def forward(self, tokens, positions, cache, attn_mask=None, hidden_layers=()):
+    def forward(self, tokens, positions, cache, attn_mask=None, hidden_layers=(), **options):
         self.forwards += 1
         self.tokens_fed += tokens.shape[1]
-        return self.inner.forward(tokens, positions, cache, attn_mask=attn_mask, hidden_layers=hidden_layers)
+        self.calls.append((tokens.shape[1], options.get("logits_at")))
+        return self.inner.forward(tokens, positions, cache, attn_mask=attn_mask, hidden_layers=hidden_layers, **options)
 
 
 # ---------------------------------------------------------------------------- greedy exactness
@@ -295,6 +297,8 @@ def test_chain_drafting_feeds_each_token_once(tiny_pair):
     drafter.on_verified(VerifyResult([4], 0, []), ctx)
     draft = drafter.propose(ctx, 4)  # the first sync feeds the whole prompt + first token at once
     assert counting.forwards == 4 and counting.tokens_fed == len(ctx.tokens) + 3
+    # ... and runs the LM head on its last row only (the logits drafting starts from)
+    assert [(fed, at.tolist()) for fed, at in counting.calls] == [(len(ctx.tokens), [len(ctx.tokens) - 1])] + [(1, [0])] * 3
     for num_accepted in (0, 4, 2, 4, 1):
         accepted = draft.tokens[:num_accepted].tolist()
         # bonus after a full acceptance; else a correction that differs from the rejected token

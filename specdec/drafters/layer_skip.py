@@ -15,7 +15,7 @@ import inspect
 
 from ..checks import check_int
 from .base import register_drafter
-from .small_model import DraftLM, ModelDrafter, decode_cost_bytes
+from .small_model import DraftLM, ModelDrafter, decode_cost_bytes, model_logits
 
 DEFAULT_LAYER_FRACTION = 0.25  # default draft depth: the first quarter of the target's blocks
 
@@ -100,9 +100,8 @@ class LayerSkipDrafter(ModelDrafter):
     def _new_draft_lm(self, capacity: int) -> DraftLM:
         target, layer_ids = self.target, self.layer_ids
 
-        def forward(tokens, positions, cache, attn_mask):
-            logits, _ = target.forward(tokens, positions, cache, attn_mask=attn_mask, layer_ids=layer_ids)
-            return logits
+        def forward(tokens, positions, cache, attn_mask, last_only):
+            return model_logits(target, tokens, positions, cache, attn_mask, last_only, layer_ids=layer_ids)
 
         def new_cache(max_len: int):
             return target.new_cache(1, max_len, num_layers=len(layer_ids))

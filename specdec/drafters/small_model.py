@@ -45,8 +45,9 @@ from ..models.base import Target
 from ..sampling import sample_from_probs, warp_logits_to_probs
 from .base import DraftContext, DraftCost, Drafter, register_drafter
 
-# forward(tokens [1, T], positions [1, T], cache, attn_mask [1, T, T] | None) -> logits [1, T, V_draft]
-DraftForward = Callable[[torch.Tensor, torch.Tensor, object, torch.Tensor | None], torch.Tensor]
+# forward(tokens [1, T], positions [1, T], cache, attn_mask [1, T, T] | None, last_only) -> logits [1, T, V_draft]
+# ([1, 1, V_draft] with last_only: the last token's only; `model_logits` writes one for a Target)
+DraftForward = Callable[[torch.Tensor, torch.Tensor, object, torch.Tensor | None, bool], torch.Tensor]
 
 DEFAULT_DRAFT_MODEL = "qwen2.5-coder-0.5b"
 _CACHE_HEADROOM = 32  # extra slots beyond prompt + one step, before the first (doubling) growth
@@ -58,6 +59,16 @@ def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     while index < limit and a[index] == b[index]:
         index += 1
     return index
+
+
+def model_logits(model: Target, tokens: torch.Tensor, positions: torch.Tensor, cache, attn_mask: torch.Tensor | None,
+                 last_only: bool, **kwargs) -> torch.Tensor:
+    """A Target's forward as a DraftForward: logits [1, T, V] ([1, 1, V] with last_only, the LM head
+    on that row alone where the model can select rows)."""
+    if last_only and getattr(model, "selects_logits", False):
+        kwargs["logits_at"] = torch.tensor([tokens.shape[1] - 1])
+    logits, _ = model.forward(tokens, positions, cache, attn_mask=attn_mask, **kwargs)
+    return logits[:, -1:] if last_only else logits
 
 
 class DraftLM:
@@ -132,15 +143,17 @@ class DraftLM:
         self.next_logits = next_logits
 
     # ------------------------------------------------------------------ forwards
-    def _run(self, tokens: Sequence[int], positions: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        """One forward over new tokens; returns logits [T, V] in the target vocabulary."""
+    def _run(self, tokens: Sequence[int], positions: torch.Tensor, attn_mask: torch.Tensor | None,
+             last_only: bool = False) -> torch.Tensor:
+        """One forward over new tokens; returns logits [T, V] in the target vocabulary ([1, V] with
+        last_only: the last token's; the LM head then runs on that row alone)."""
         if self.num_slots + len(tokens) > self.capacity:
             raise RuntimeError(
                 f"draft cache overflow ({self.num_slots} + {len(tokens)} > {self.capacity}); ensure_capacity() first"
             )
         token_tensor = torch.tensor([list(tokens)], dtype=torch.long)  # [1, T]
         mask = None if attn_mask is None else attn_mask[None]  # [1, T, T]
-        logits = self._forward(token_tensor, positions[None], self.cache, mask)[0].float()  # [T, V_draft]
+        logits = self._forward(token_tensor, positions[None], self.cache, mask, last_only)[0].float()  # [T, V_draft]
         draft_vocab = logits.shape[-1]
         if self.token_ids is not None:  # a reduced draft vocabulary: every other id gets probability 0
             full = logits.new_full((logits.shape[0], self.vocab_size), -math.inf)  # [T, V]
@@ -154,14 +167,16 @@ class DraftLM:
         return logits  # [T, V]
 
     def extend(self, new_tokens: Sequence[int]) -> torch.Tensor:
-        """Append tokens to the sequence (causal) in one forward; returns their logits [T, V]."""
+        """Append tokens to the sequence (causal) in one forward; returns the logits [V] after the
+        last. Only that row goes through the LM head: a prefill of a long prompt would otherwise run
+        the head (on a Qwen2.5 0.5B a quarter of a token's compute) and a [T, V] logit tensor for
+        every token it feeds."""
         self.drop_nodes()
         start = len(self.tokens)
         positions = torch.arange(start, start + len(new_tokens))  # [T]
-        logits = self._run(new_tokens, positions, None)
+        self.next_logits = self._run(new_tokens, positions, None, last_only=True)[0]  # [V]
         self.tokens += list(new_tokens)
-        self.next_logits = logits[-1]
-        return logits
+        return self.next_logits
 
     def run_nodes(self, tokens: Sequence[int], positions: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
         """Write tree nodes after the current slots (they see every slot before them and, among
@@ -204,7 +219,7 @@ class DraftLM:
             return self.next_logits  # every committed token is cached
         self.truncate(keep)
         self.offset = offset
-        return self.extend(committed[offset + keep:])[-1]
+        return self.extend(committed[offset + keep:])
 
 
 class ModelDrafter(Drafter):
@@ -285,7 +300,7 @@ class ModelDrafter(Drafter):
                 draft_rows.append(draft_probs)
             tokens.append(token)
             if index + 1 < budget:  # the last token's successor is not needed
-                logits = self.lm.extend([token])[-1]
+                logits = self.lm.extend([token])
         token_tensor = torch.tensor(tokens, dtype=torch.long)
         return Draft.chain(token_tensor, torch.stack(draft_rows) if draft_rows else None)
 
@@ -536,9 +551,8 @@ class SmallModelDrafter(ModelDrafter):
 
         reduced = {} if self.lm_head is None else {"lm_head": self.lm_head}  # logits [1, T, V'] over token_ids
 
-        def forward(tokens, positions, cache, attn_mask):
-            logits, _ = draft.forward(tokens, positions, cache, attn_mask=attn_mask, **reduced)
-            return logits
+        def forward(tokens, positions, cache, attn_mask, last_only):
+            return model_logits(draft, tokens, positions, cache, attn_mask, last_only, **reduced)
 
         new_cache = lambda max_len: draft.new_cache(1, max_len)  # noqa: E731
         return DraftLM(forward, new_cache, self.target_vocab_size, capacity, self.token_ids, self.context)
