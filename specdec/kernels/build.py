@@ -28,7 +28,7 @@ ENV_COMPILER = "SPECDEC_CXX"
 ENV_ISA = "SPECDEC_KERNEL_ISA"
 NO_COMPILER = ("none", "0", "off", "false")
 # F16C (fp16 scales of GGUF blocks) comes with every AVX2 CPU
-# avx2-vnni: AVX2 CPUs with AVX-VNNI (Intel since Alder Lake, AMD since Zen 5): the a8 integer dot
+# avx2-vnni: AVX2 CPUs with AVX-VNNI and no AVX-512 (Intel client CPUs since Alder Lake): the a8 integer dot
 # products as 256-bit vpdpbusd / vpdpwssd, the same integers as the AVX2 maddubs sequence (same bits)
 ISA_FLAGS = {
     "avx512": ("-mavx512f", "-mavx2", "-mfma", "-mf16c"),
