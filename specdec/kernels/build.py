@@ -1,6 +1,6 @@
 """Building the kernel at first use: the compiler, the instruction set and its flags, the cache.
 
-The C++ source is csrc/ (one header, one .cpp per concern, see csrc/skinny_gemm.h). It is
+The C++ source is csrc/ (a shared header, one .cpp per concern, see csrc/skinny_gemm.h). It is
 compiled with the system C++ compiler into $SPECDEC_CACHE/kernels/skinny_gemm-<isa>-<digest>.so
 (default ~/.cache/specdec/kernels), the parts in parallel; the digest covers every source file,
 the flags and the compiler, so an edit, another ISA or another compiler builds afresh and a

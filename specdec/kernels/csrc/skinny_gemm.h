@@ -25,6 +25,8 @@
 //     gemm.cpp        fp32-activation tiles (micro_tile): sg_linear_f32, sg_linear_i8
 //     gguf.cpp        the GGUF formats by ggml type id, sg_linear_gguf, sg_dequantize_rows
 //     a8.cpp          int8 activations (a8_tile): sg_linear_gguf_a8, sg_quantize_a8
+//     a8_int.h        a8's integer side on 256 bits (a8.cpp only): activation rows, dot-product steps,
+//                     the 256-bit builds' sub-block pairing
 //     amx.cpp         the a8 K-quant linears on AMX int8 tiles (built where the CPU has AMX)
 //     attention.cpp   batch-invariant attention and rotary embedding
 //     threads.cpp     the thread pool every call runs on
@@ -595,7 +597,7 @@ struct TileArgs {
 //     q int8[K] | d float[K / 32] | ds float[K / 32] | bsum int16[K / 32] | bsum16 int16[K / 16]
 // with bsum = the sum of q over each 32, ds = d * bsum (the min formats' terms) and bsum16 = the sum
 // of q over each 16 (Q6_K's offset term on the AVX2 build). The plain AVX2 build stores the q of
-// K-quant rows (blocks of 256) in sub-block pairs interleaved (a8.cpp, pair_sub_blocks); the sums
+// K-quant rows (blocks of 256) in sub-block pairs interleaved (a8_int.h, pair_sub_blocks); the sums
 // are over the natural order.
 constexpr int kA8Sub = 32;
 inline int64_t a8_row_bytes(int64_t K) {
