@@ -5,9 +5,10 @@ hybrid = suffix + pld, plus the model drafter when `model=NAME` is given). A mod
 hybrid's tree, not as an arm of its own unless `methods` names it (or has no hybrid): alone, it runs
 while retrieval finds nothing, its rate a little above plain's, and skips the matches retrieval finds
 later (on the dev subset auto with the 0.5B draft model as an arm lost most of auto's gain); in the
-hybrid, retrieval's free nodes come first and the model's slots are priced by the budget policy. Every drafter exists once per request: the hybrid drafts from the same
-suffix, pld and model objects the single-method arms are, so one suffix trie and one draft-model
-cache follow the request, and each gets one begin / on_verified per step. Each step ONE arm drafts, at
+hybrid, retrieval's free nodes come first and the model's slots are priced by the budget policy.
+Every drafter exists once per request: the hybrid drafts from the same suffix, pld and model objects
+the single-method arms are, so one suffix trie and one draft-model cache follow the request, and
+each gets one begin / on_verified per step. Each step ONE arm drafts, at
 most its own block of the budget the budget policy gave (how many nodes a step drafts stays the
 policy's decision, budget.py; auto only picks the method).
 

@@ -24,9 +24,9 @@ Two pieces, shared with `layer-skip` (drafters/layer_skip.py):
 
 A context window (`context=N`) bounds what the draft model reads: its cache starts at the last N
 committed tokens whenever it would otherwise feed more than N at once (a request's prompt, a long
-catch-up). On a CPU a draft model's prefill is paid in full (the 0.5B reads a 741-token prompt in
-~4 s, longer than the 1.5B takes to decode 64 tokens), while its next-token guesses depend mostly
-on the recent tokens; every draft is verified, so the window changes speed only, never the output.
+catch-up). On a CPU a draft model's prefill is paid in full (the 0.5B reads a prompt at ~4 ms a
+token, docs/performance.md: a long prompt costs it about what the 1.5B takes to decode a 64-token
+answer), while its next-token guesses depend mostly on the recent tokens; every draft is verified, so the window changes speed only, never the output.
 """
 
 from __future__ import annotations

@@ -424,17 +424,19 @@ void a8_tile(const TileArgs& a) {
         // the scratch holds each sub-block pair interleaved with one scale vector (Decoded::decode): the
         // two halves' maddubs add in int16 (|.| <= 4 * 32 * 127 signed, 4 * 31 * 127 unsigned), one madd
         auto quants = [&](int c, int half) { return Fmt::quants32(a.w + c * a.ldw + offset, half); };
+        auto products = [](__m256i w, __m256i x) {  // signed quants: |q| times x with q's sign
+          return Fmt::kSigned ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)) : _mm256_maddubs_epi16(w, x);
+        };
 #pragma GCC unroll 4
         for (int pair = 0; pair < kSubs / 2; ++pair) {
 #pragma GCC unroll 8
           for (int r = 0; r < MR; ++r) {
-            const __m256i x0 = load32(a.xq + r * a.ldxq + kb + 2 * kA8Sub * pair), x1 = load32(a.xq + r * a.ldxq + kb + 2 * kA8Sub * pair + kA8Sub);
+            const uint8_t* xq = a.xq + r * a.ldxq + kb + 2 * kA8Sub * pair;
+            const __m256i x0 = load32(xq), x1 = load32(xq + kA8Sub);
 #pragma GCC unroll 8
             for (int c = 0; c < NR; ++c) {
-              const __m256i w0 = quants(c, 2 * pair), w1 = quants(c, 2 * pair + 1);
-              const __m256i p0 = Fmt::kSigned ? _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)) : _mm256_maddubs_epi16(w0, x0);
-              const __m256i p1 = Fmt::kSigned ? _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1)) : _mm256_maddubs_epi16(w1, x1);
-              isum[r][c] = scaled_pairs(isum[r][c], _mm256_add_epi16(p0, p1), Fmt::a8_scale16(scales[c], 2 * pair));
+              const __m256i pairs = _mm256_add_epi16(products(quants(c, 2 * pair), x0), products(quants(c, 2 * pair + 1), x1));
+              isum[r][c] = scaled_pairs(isum[r][c], pairs, Fmt::a8_scale16(scales[c], 2 * pair));
             }
           }
         }
