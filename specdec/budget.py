@@ -296,7 +296,8 @@ class AutoBudget(BudgetPolicy):
     - one-off costs: a drafter with its own model must first feed the committed tokens it has
       not seen (`catch_up_tokens`, e.g. a draft model prefilling a long prompt). Drafting starts
       only when that cost is below the expected saving over `payback_fraction` of the tokens
-      still allowed (max_new_tokens is an upper bound: answers often stop early);
+      still allowed (max_new_tokens is an upper bound: answers often stop early). It is priced at
+      the drafter's prior until a catch-up has been timed, then at the measured price;
     - probes: after `probe_every` plain steps one single-token draft is sent so estimates can
       recover; each probe that is not followed by drafting doubles the interval (up to
       `max_probe_every`), and no probe is sent while its catch-up would cost more than one step
@@ -338,6 +339,9 @@ class AutoBudget(BudgetPolicy):
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.population = AcceptanceTracker(decay=0.99)  # outcomes of every sequence this policy served
         self.population_probe_every = probe_every  # the probe interval a new sequence starts at
+        # a catch-up token's measured price in target steps of a forward that size (running average
+        # over every sequence's catch-ups); None: the drafter's prior `catch_up_price()`
+        self.measured_catch_up_price: float | None = None
 
     def _tracker(self, seq) -> AcceptanceTracker:
         """The sequence's acceptance estimates; a new sequence starts from the population's."""
@@ -362,7 +366,8 @@ class AutoBudget(BudgetPolicy):
         pending = seq.drafter.catch_up_tokens(seq.ctx)
         if pending <= 1:
             return 0.0
-        return seq.drafter.catch_up_price() * self.cost.t(pending)
+        price = self.measured_catch_up_price
+        return (seq.drafter.catch_up_price() if price is None else price) * self.cost.t(pending)
 
     def pays_back(self, seq, budget: int, others: int) -> bool:
         """Whether drafting `budget` nodes now, catch-up included, is expected to save time within
@@ -544,11 +549,32 @@ class AutoBudget(BudgetPolicy):
         if drafted <= last_drafted:
             return
         state.draft_totals = (time_s, drafted, steps_seen + 1)
-        if steps_seen == 0 or state.catch_up_tokens > self.max_budget_for(seq.drafter) + 1:
+        if state.catch_up_tokens > self.max_budget_for(seq.drafter) + 1:
+            self._measure_catch_up(seq, 1000.0 * (time_s - last_time_s), drafted - last_drafted)
+            return
+        if steps_seen == 0:
             return
         step_ms = 1000.0 * (time_s - last_time_s) / (drafted - last_drafted)
         previous = state.draft_ms_per_token
         state.draft_ms_per_token = step_ms if previous is None else 0.7 * previous + 0.3 * step_ms
+
+
+    def _measure_catch_up(self, seq, step_ms: float, drafted: int) -> None:
+        """Learn a catch-up token's price from a step that began with one: the step's draft time less
+        its drafting (at the drafting price the policy planned it with) over T(catch-up tokens). The
+        prior (`catch_up_price()`, e.g. a draft model's weight bytes per token over the target's) is
+        a decode step's ratio, but a catch-up is a prefill-sized forward whose LM head runs on one
+        row: the 0.5B draft model's costs a third of the 1.5B's forward of that size where its decode
+        step costs nearly half a step (docs/performance.md). Every sequence's catch-ups feed one
+        running average: the policy plans one method (a server, a bench method), and later requests
+        start from what earlier ones measured."""
+        pending = seq.plan_state.catch_up_tokens
+        catch_up_ms = step_ms - drafted * self._draft_ms_per_token(seq)
+        if catch_up_ms <= 0.0:  # drafting took the step's time: nothing to learn of the catch-up
+            return
+        price = catch_up_ms / self.cost.t(pending)
+        previous = self.measured_catch_up_price
+        self.measured_catch_up_price = price if previous is None else 0.5 * previous + 0.5 * price
 
 
 def parse_gamma(raw) -> int | str | None:

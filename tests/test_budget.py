@@ -77,6 +77,42 @@ def test_catch_up_cost_decides_whether_to_start_drafting():
     assert AutoBudget(TABLE, max_budget=8).plan([few_left])[0] == 0
 
 
+def test_catch_up_price_is_learned_from_timed_catch_ups():
+    """A catch-up is priced at the drafter's prior until one has been timed: the step that began
+    with it minus its drafting (at the planned per-token price), over T(catch-up tokens). A later
+    request whose catch-up the prior said would not repay then starts drafting when the measured
+    price says it does, and one that measured dearer stops it."""
+    prior = 0.3
+    pending = next(n for n in range(2, 2000)
+                   if AutoBudget(TABLE, max_budget=8).plan([make_seq(StubDrafter(n, prior))])[0] == 0)
+    policy = AutoBudget(TABLE, max_budget=8)
+    assert policy.catch_up_ms(make_seq(StubDrafter(pending, prior))) == pytest.approx(prior * TABLE.t(pending))
+
+    def timed_catch_up(seconds_for_catch_up: float, tokens: int = 40):
+        drafter = StubDrafter(pending=tokens, cost_tokens=prior, default_budget=2)
+        seq = make_seq(drafter, max_new_tokens=10_000)
+        budget = policy.plan([seq])[0]
+        assert budget > 0 and seq.plan_state.catch_up_tokens == tokens
+        seq.stats.drafted_tokens += budget
+        drafting_s = budget * prior * TABLE.t(1) / 1000.0  # at the price the policy planned with
+        seq.stats.time_draft_s += drafting_s + seconds_for_catch_up
+        policy.observe(seq, budget, budget)
+        return seq
+
+    cheap = 0.1 * TABLE.t(40) / 1000.0  # a third of the prior's price
+    seq = timed_catch_up(cheap)
+    assert policy.measured_catch_up_price == pytest.approx(0.1)
+    assert seq.plan_state.draft_ms_per_token is None  # the catch-up stays out of the drafting price
+    assert policy.plan([make_seq(StubDrafter(pending, prior))])[0] > 0  # now it repays
+    timed_catch_up(5 * cheap)  # 0.5: the running average moves to 0.3
+    assert policy.measured_catch_up_price == pytest.approx(0.3)
+    timed_catch_up(9 * cheap)  # 0.9 -> 0.6: dearer than the prior
+    assert policy.catch_up_ms(make_seq(StubDrafter(pending, prior))) == pytest.approx(0.6 * TABLE.t(pending))
+    repays_at_prior = make_seq(StubDrafter(pending - 1, prior))
+    assert AutoBudget(TABLE, max_budget=8).plan([repays_at_prior])[0] > 0
+    assert policy.plan([repays_at_prior])[0] == 0
+
+
 def rejected_probe_steps(policy: AutoBudget, seq, steps: int) -> list[int]:
     """The steps at which `policy` drafts for `seq` when every draft is rejected."""
     probes = []
