@@ -216,8 +216,20 @@ def test_corpus_data_is_the_targets_forward_over_the_text_and_resumes(counter, t
     partial = build_corpus_dataset(counter, tmp_path / "resumed", [corpus], corpus_settings(), progress=False, log=quiet,
                                    stop_after_shards=1)
     assert len(partial["shards"]) == 1 and not partial["complete"]
+    # a directory made before the licence setting's default became "" (not stated) still resumes
+    manifest_path = tmp_path / "resumed" / "manifest.json"
+    old = json.loads(manifest_path.read_text())
+    assert old["settings"]["licence"] == ""
+    old["settings"]["licence"] = "the licence of the given files (not checked by specdec)"
+    manifest_path.write_text(json.dumps(old))
     resumed = build_corpus_dataset(counter, tmp_path / "resumed", [corpus], corpus_settings(), progress=False, log=quiet)
     assert whole["complete"] and resumed["complete"] and whole["kind"] == "teacher-forced"
+    assert json.loads(manifest_path.read_text())["settings"]["licence"] == ""
+    assert whole["sources"]["corpus"]["licence"].startswith("not stated")
+    other = corpus_settings()
+    other.licence = "CC0"  # a stated licence is a setting: it does not resume data made without one
+    with pytest.raises(ValueError, match="other data"):
+        build_corpus_dataset(counter, tmp_path / "resumed", [corpus], other, progress=False, log=quiet)
     _, first = _shard_tensors(tmp_path / "whole")
     _, again = _shard_tensors(tmp_path / "resumed")
     assert first.keys() == again.keys() and len(first) == whole["num_shards"] > 1

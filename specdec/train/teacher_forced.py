@@ -31,6 +31,10 @@ from .data import (MANIFEST_FILE, TEACHER_FORCED, Sample, _fill_shards, _new_man
                    resolve_layers)
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
+NOT_STATED = "not stated (--corpus-licence records it; specdec does not check it)"  # a source's licence when not given
+# settings.licence as manifests before 2026-12 wrote it when none was given (also for ShareGPT from the
+# package, whose own licence is in its source record): read as "" so those directories still resume
+_OLD_UNSTATED_LICENCE = "the licence of the given files (not checked by specdec)"
 MIN_CHUNK_TOKENS = 16  # a file's last piece shorter than this is dropped
 
 
@@ -45,7 +49,7 @@ class CorpusSettings:
     shard_size: int = 64  # chunks per shard
     batch_size: int = 8  # chunks per target forward
     seed: int = 0
-    licence: str = "the licence of the given files (not checked by specdec)"
+    licence: str = ""  # the text files' (or a conversations file's) licence as the user states it; "" = not stated
     corpus_digest: str = ""  # sha256 of the samples' token ids (filled in by build_corpus_dataset)
     conversations: str = ""  # "sharegpt" or a ShareGPT-format JSON file: conversations instead of text files
     max_length: int = 2048  # conversations: tokens kept of each (the rest is cut off)
@@ -154,7 +158,7 @@ class TextCorpus:
     def sources(self) -> dict:
         roots = sorted({str(Path(p).resolve() if Path(p).is_dir() else Path(p).resolve().parent) for p in self.paths})
         return {"corpus": {"description": f"{len(self.files)} text files under {', '.join(roots)}, teacher-forced",
-                           "licence": self.settings.licence, "chunks": len(self.chunks)}}
+                           "licence": self.settings.licence or NOT_STATED, "chunks": len(self.chunks)}}
 
     def describe(self) -> tuple[str, int]:
         tokens = sum(len(chunk) + len(self.prompt_ids) for chunk in self.chunks)
@@ -241,7 +245,7 @@ class ConversationCorpus:
             "description": (f"ShareGPT V3 conversations ({sharegpt.PACKAGE} {sharegpt.PACKAGE_VERSION})" if from_package
                             else f"ShareGPT-format conversations from {Path(self.settings.conversations).resolve()}")
                            + f", teacher-forced under the target's chat template, cut at {self.settings.max_length} tokens",
-            "licence": sharegpt.package_licence() if from_package else self.settings.licence,
+            "licence": sharegpt.package_licence() if from_package else self.settings.licence or NOT_STATED,
             "conversations": len(self.conversations), "held_out_conversations": held_out,
             "held_out_rule": f"sha256 of the first user turn: {sharegpt.HELD_OUT_FRACTION:.0%} held out",
             "skipped": self.skipped, "read": asdict(self.stats)}}
@@ -282,6 +286,8 @@ def _open_manifest(target, out_dir: Path, settings: CorpusSettings, corpus) -> d
     if (out_dir / MANIFEST_FILE).exists():
         manifest = read_manifest(out_dir)
         check_target_matches(manifest, target, f"data in {out_dir}")
+        if manifest["settings"].get("licence") == _OLD_UNSTATED_LICENCE:
+            manifest["settings"]["licence"] = ""  # rewritten so with the next finished shard
         if manifest["kind"] != TEACHER_FORCED or manifest["settings"] != asdict(settings):
             raise ValueError(
                 f"{out_dir} already holds other data (another kind, corpus or settings); rerun with the same files and "
