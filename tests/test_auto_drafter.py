@@ -55,6 +55,35 @@ def test_plain_runs_only_where_no_arm_drafts_free(tiny_target):
     assert alone.choose() is plain
     assert drafts_free(AutoDrafter(None, methods="hybrid").arms[0].drafter)
 
+def test_an_arm_run_to_warm_up_or_explore_offers_its_free_nodes_only(tiny_target):
+    """The budget policy repays a paid part's catch-up (a hybrid's draft model reading the prompt)
+    over the tokens still to come, so only the best arm, which keeps running, may offer paid nodes:
+    the hybrid warming up or explored for a step offers its retrieval nodes alone."""
+    from specdec.drafters.base import DraftContext
+    from specdec.sampling import SamplingParams
+
+    auto = AutoDrafter(tiny_target, methods="pld,hybrid", model="random", warmup=1, explore_every=4).for_sequence()
+    pld, hybrid, plain = auto.arms
+    auto.begin([5, 6, 7], tiny_target)
+    ctx = DraftContext(tokens=[5, 6, 7], num_prompt_tokens=3, sampling=SamplingParams())  # no n-gram to match
+
+    def model_slots_offered(step: int) -> bool:
+        auto.step = step
+        offer = auto.offered_paths(ctx, 4)
+        assert all(price == 0.0 for _, price in offer)  # the random drafter's price is 0: the slots count
+        assert hybrid.drafter.model_slots == bool(offer)  # what the next proposal holds
+        return bool(offer)
+
+    assert auto.choose() is pld and [auto.choose() for auto.step in (1,)] == [hybrid]
+    assert not model_slots_offered(1)  # warming up
+    for arm, (tokens, ms, last_run) in ((pld, (10, 100, 6)), (hybrid, (30, 100, 5)), (plain, (10, 100, 7))):
+        arm.earned, arm.last_run = Earnings(tokens, ms, 1.0), last_run
+    assert model_slots_offered(6) and auto.choose() is hybrid  # the best arm: its model's slots too
+    hybrid.earned = Earnings(5, 100, 1.0)  # pld is best now; the hybrid is the stalest arm
+    auto.step = 8
+    assert auto.choose() is hybrid and not model_slots_offered(8)  # explored: free nodes only
+
+
 def test_an_empty_draft_is_a_plain_step_that_measures_plain():
     """A step whose arm drafted nothing (no match) earns for plain too, so plain's warm-up is skipped
     once such steps measured it; a step that drafted earns for its arm alone."""

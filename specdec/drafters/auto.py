@@ -218,21 +218,31 @@ class AutoDrafter(Drafter):
 
     def choose(self) -> ArmRecord:
         """This step's arm, from earlier steps' measurements only."""
+        return self._choice()[0]
+
+    def _choice(self) -> tuple[ArmRecord, bool]:
+        """(this step's arm, whether it runs as the best arm). An arm warming up or explored runs for
+        a step or two, and then the best arm again."""
         free = [arm for arm in self.arms if arm.free]
         if self.step < self.warmup * len(self.warming):
             arm = self.warming[self.step // self.warmup]
             if arm.drafter is not None or not (arm.earned.steps or free):  # plain: only where no arm is free
-                return arm
+                return arm, False
         if self.step % self.explore_every == 0 and self.step:  # step 0 without warm-up: the best, as the population found
-            return min(self.arms, key=lambda arm: arm.last_run)
+            return min(self.arms, key=lambda arm: arm.last_run), False
         best = max(self.arms, key=lambda arm: arm.rate())
-        return max(free, key=lambda arm: arm.rate()) if best.drafter is None and free else best
+        return (max(free, key=lambda arm: arm.rate()) if best.drafter is None and free else best), True
 
     def offered_paths(self, ctx: DraftContext, limit: int, paid: bool = True) -> list[tuple[float, float]] | None:
         """The offer of the arm this step will run (choose() reads earlier steps only); None for an arm
-        that offers none (the policy plans it by its record)."""
-        drafter = self.choose().drafter
-        return None if drafter is None else drafter.offered_paths(ctx, min(limit, drafter.cost.block), paid)
+        that offers none (the policy plans it by its record). An arm that runs while warming up or
+        explored offers its free nodes only: the budget policy repays a paid part's catch-up (a
+        hybrid's draft model reading the prompt) over the tokens still to come, but this arm drafts
+        one step and the best arm the next (on the dev subset's math question an explored hybrid fed
+        the 0.5B draft model the prompt, ~9 target steps, for one drafted node)."""
+        arm, best = self._choice()
+        drafter = arm.drafter
+        return None if drafter is None else drafter.offered_paths(ctx, min(limit, drafter.cost.block), paid and best)
 
     def catch_up_tokens(self, ctx: DraftContext) -> int:
         """The catch-up of the arm this step will run (a model arm's rows held while others ran)."""
