@@ -27,7 +27,7 @@ def test_specdec_drafters_lists_the_methods_but_not_the_testing_drafters():
     assert {"pld", "eagle3", "dspark", "small-model"} <= names
     assert names == set(listed_drafters()) and not names & TESTING_DRAFTERS
     unknown = _cli("generate", "Hi", "--drafter", "no-such-drafter")
-    assert unknown.returncode == 2 and "unknown drafter 'no-such-drafter'; available: auto, dflash" in unknown.stderr
+    assert unknown.returncode == 2 and "unknown drafter 'no-such-drafter'; available: auto, bigram, dflash" in unknown.stderr
     assert not any(name in unknown.stderr for name in TESTING_DRAFTERS)
 
 

@@ -69,7 +69,7 @@ def test_options_are_introspectable_and_parsed_like_drafter_args():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"sources": "suffix,lookahead"}, "sources must be distinct names among pld, rest, suffix"),
+    ({"sources": "suffix,lookahead"}, "sources must be distinct names among bigram, pld, rest, suffix"),
     ({"sources": "pld,pld"}, "sources must be distinct"),
     ({"sources": "", "model": ""}, "at least one source or a model"),
     ({"model": "pld"}, "model must be a model drafter"),

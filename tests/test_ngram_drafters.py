@@ -81,6 +81,20 @@ def test_pld_min_ngram_excludes_short_matches():
     assert len(propose_for(PromptLookupDrafter(min_ngram=2), tokens, 2)) == 0
 
 
+def test_bigram_proposes_what_followed_the_roots_latest_occurrence():
+    from specdec.drafters.pld import BigramDrafter
+
+    drafter = BigramDrafter()
+    tokens = [5, 6, 7, 9, 6, 8, 3, 6]  # "6" was followed by 7, then (most recently) by 8
+    assert drafter.cost.block == 1 and drafter.retrieval_source  # one node a step unless a policy asks more
+    assert propose_for(drafter, tokens, 1).tokens.tolist() == [8]
+    assert propose_for(drafter, tokens, 3).tokens.tolist() == [8, 3, 6]  # the copy runs on
+    assert len(propose_for(drafter, [5, 6, 7, 9], 1)) == 0  # "9" never occurred before
+    assert BigramDrafter(gamma=3).cost.block == 3
+    with pytest.raises(ValueError, match="gamma"):
+        BigramDrafter(gamma=0)
+
+
 def test_pld_incremental_index_matches_brute_force():
     rng = random.Random(0)
     for trial in range(20):
@@ -356,6 +370,7 @@ def plain(target):
 
 DRAFTER_CONFIGS = {
     "pld": ("pld", {}),
+    "bigram": ("bigram", {}),
     "suffix-tree": ("suffix", {}),
     "suffix-chain": ("suffix", {"tree": False}),
     "rest-tree": ("rest", {}),

@@ -1,6 +1,6 @@
 """`hybrid`: one draft tree per step from several sources, retrieval and a model drafter (SAMD's idea).
 
-Each step the retrieval sources (`sources=suffix,pld,rest`: nearly free, deterministic proposals)
+Each step the retrieval sources (`sources=suffix,pld,bigram`, the default, or with rest: nearly free, deterministic proposals)
 propose their candidates, which are merged on shared prefixes into one trie over token paths; the
 optional model drafter (`model=small-model|eagle3|dspark|...`, its options in `model_options`)
 then proposes into the budget the retrieval candidates leave, and the whole is ONE `Draft`
@@ -54,7 +54,9 @@ from ..checks import check_int
 from ..draft import Draft
 from .base import DraftContext, DraftCost, Drafter, drafter_class, drafter_options, register_drafter, retrieval_sources
 
-DEFAULT_SOURCES = ("suffix", "pld")
+# bigram (pld's single-token fallback, tracked apart) drafts where suffix and pld find no longer match:
+# on the 1.5B dev subset (3 questions per kind) the hybrid with it made 1.14x plain, without it 1.12x
+DEFAULT_SOURCES = ("suffix", "pld", "bigram")
 
 
 def sub_drafter_options(name: str, raw: str | dict | None) -> dict:

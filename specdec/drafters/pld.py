@@ -100,3 +100,22 @@ class PromptLookupDrafter(Drafter):
         for offset in range(budget):
             proposal.append(source[offset] if offset < len(source) else proposal[offset - distance])
         return Draft.chain(proposal)
+
+
+@register_drafter
+class BigramDrafter(PromptLookupDrafter):
+    """The token that followed the root token's most recent earlier occurrence (prompt + output), one node.
+
+    pld's fallback where no longer n-gram recurs, kept a drafter of its own so a hybrid tracks its
+    acceptance apart from pld's longer matches (a single token after a single token is right far
+    less often, and pld's depth estimates would sink with it). Under greedy decoding this is what
+    Token Recycling's table holds for the committed tokens: the target's top-1 after each one.
+
+    Options:
+        gamma: draft length per step when no cost model picks it (the copy continues past one token).
+    """
+
+    name = "bigram"
+
+    def __init__(self, target=None, gamma: int = 1):
+        super().__init__(target, max_ngram=1, min_ngram=1, gamma=gamma)
