@@ -96,10 +96,13 @@ def test_catch_up_price_is_learned_from_timed_catch_ups():
         seq.stats.drafted_tokens += budget
         drafting_s = budget * prior * TABLE.t(1) / 1000.0  # at the price the policy planned with
         seq.stats.time_draft_s += drafting_s + seconds_for_catch_up
+        drafter.pending = 1 if seconds_for_catch_up else tokens + budget + 1  # fed it, or drafted without it
         policy.observe(seq, budget, budget)
         return seq
 
     cheap = 0.1 * TABLE.t(40) / 1000.0  # a third of the prior's price
+    timed_catch_up(0.0)  # a step that drafted without feeding its catch-up (a hybrid's free nodes) times none
+    assert policy.measured_catch_up_price is None
     seq = timed_catch_up(cheap)
     assert policy.measured_catch_up_price == pytest.approx(0.1)
     assert seq.plan_state.draft_ms_per_token is None  # the catch-up stays out of the drafting price
@@ -111,6 +114,36 @@ def test_catch_up_price_is_learned_from_timed_catch_ups():
     repays_at_prior = make_seq(StubDrafter(pending - 1, prior))
     assert AutoBudget(TABLE, max_budget=8).plan([repays_at_prior])[0] > 0
     assert policy.plan([repays_at_prior])[0] == 0
+
+
+class OfferingDrafter(StubDrafter):
+    """A composite's offer (Drafter.offered_paths): a model slot at `model_score` (price 0.3 target
+    steps) behind the free nodes `free_scores`; the paid slot is left out when asked for free nodes."""
+
+    def __init__(self, pending: int, model_score: float, free_scores: tuple[float, ...] = ()):
+        super().__init__(pending, cost_tokens=0.3)
+        self.model_score, self.free_scores = model_score, free_scores
+
+    def offered_paths(self, ctx, limit, paid=True):
+        offer = [(score, 0.0) for score in self.free_scores] + ([(self.model_score, 0.3)] if paid else [])
+        return sorted(offer, reverse=True)[:limit]
+
+
+def test_a_catch_up_is_repaid_only_on_the_steps_that_use_the_paid_nodes():
+    """An offer's catch-up pays back on the steps whose best prefix holds paid nodes; where most steps
+    do without them (retrieval offers enough), the same catch-up is declined."""
+    def paid_now(policy, pending):
+        seq = make_seq(OfferingDrafter(pending, model_score=0.9))
+        return policy.plan([seq])[0] > 0  # no free nodes: drafting at all means the model's slot
+    pending = next(n for n in range(2, 2000) if not paid_now(AutoBudget(TABLE, max_budget=8), n)) - 1
+    assert pending > 2 and paid_now(AutoBudget(TABLE, max_budget=8), pending)
+    policy = AutoBudget(TABLE, max_budget=8)
+    earlier = make_seq(OfferingDrafter(0, model_score=0.2, free_scores=(0.9,)), max_new_tokens=10_000)
+    for _ in range(30):  # an earlier request: the free node was worth more than the paid slot every step
+        assert policy.plan([earlier])[0] == 1
+    assert earlier.plan_state.paid_share < 0.01 and policy.population_paid_share < 0.25
+    assert not paid_now(policy, pending)  # a new request starts from what the earlier one saw
+    assert paid_now(policy, 2)  # a small catch-up still pays on a share of the steps
 
 
 def rejected_probe_steps(policy: AutoBudget, seq, steps: int) -> list[int]:

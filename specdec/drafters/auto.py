@@ -244,14 +244,18 @@ class AutoDrafter(Drafter):
         drafter = arm.drafter
         return None if drafter is None else drafter.offered_paths(ctx, min(limit, drafter.cost.block), paid and best)
 
+    def _current(self) -> ArmRecord:
+        """The arm of the step in flight (drafted, not yet verified), else the one the next step will run."""
+        return self.running[0] if self.running is not None else self.choose()
+
     def catch_up_tokens(self, ctx: DraftContext) -> int:
-        """The catch-up of the arm this step will run (a model arm's rows held while others ran)."""
-        drafter = self.choose().drafter
+        """The catch-up of the arm this step runs (a model arm's rows held while others ran)."""
+        drafter = self._current().drafter
         return 0 if drafter is None else drafter.catch_up_tokens(ctx)
 
     def catch_up_price(self) -> float:
         """The price of that arm's catch-up tokens (its own `cost.per_token`, not the cheapest arm's)."""
-        drafter = self.choose().drafter
+        drafter = self._current().drafter
         return 0.0 if drafter is None else drafter.catch_up_price()
 
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
