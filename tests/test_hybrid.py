@@ -122,6 +122,28 @@ def test_greedy_equals_plain_and_every_source_is_credited(smollm2, smollm2_bf16)
     assert generate(smollm2, prompts[3], retrieval, max_new_tokens=MAX_NEW).tokens == plain[3]
 
 
+@pytest.mark.slow
+def test_a_request_starts_each_source_from_what_earlier_requests_saw(smollm2):
+    """Every request's outcomes per source feed one population the drafter's copies share; a new
+    request's trackers start from it (not from the default prior), so a source that is rarely right
+    starts cautious."""
+    drafter = make_drafter("hybrid", smollm2, sources="suffix,pld,bigram")
+    assert [tracker.probs(1)[0] for tracker in drafter.population] == pytest.approx([0.6] * 3)
+    first = generate(smollm2, copy_prompts()[1], drafter, max_new_tokens=MAX_NEW)
+    assert sum(first.stats.drafted_by_source.values()) > 0
+    seen = [tracker.probs(1)[0] for tracker in drafter.population]  # the template's: copies fed it
+    assert any(estimate != pytest.approx(0.6) for estimate in seen)
+    later = drafter.for_sequence()
+    later.begin([5, 6, 7], smollm2)
+    assert later.population is drafter.population
+    assert [tracker.probs(1)[0] for tracker in later.trackers] == pytest.approx(seen)
+    rarely_right = drafter.for_sequence()
+    for _ in range(40):
+        rarely_right.population[2].update(1, 0)  # bigram's drafts rejected, request after request
+    rarely_right.begin([5, 6, 7], smollm2)
+    assert rarely_right.trackers[2].probs(1)[0] < 0.2 < rarely_right.trackers[0].probs(1)[0]
+
+
 # ---------------------------------------------------------------------------- sampling is lossless
 @pytest.fixture(scope="module")
 def markov_pair(tmp_path_factory):

@@ -1,6 +1,6 @@
 """`hybrid`: one draft tree per step from several sources, retrieval and a model drafter (SAMD's idea).
 
-Each step the retrieval sources (`sources=suffix,pld,bigram`, the default, or with rest: nearly free, deterministic proposals)
+Each step the retrieval sources (`sources=suffix,pld,rest,bigram`, default suffix and pld: nearly free, deterministic proposals)
 propose their candidates, which are merged on shared prefixes into one trie over token paths; the
 optional model drafter (`model=small-model|eagle3|dspark|...`, its options in `model_options`)
 then proposes into the budget the retrieval candidates leave, and the whole is ONE `Draft`
@@ -8,8 +8,9 @@ verified by the one tree verification (specdec.verify). Each node names its sour
 (`Draft.sources`), so `SpecStats` counts drafted and accepted nodes per source.
 
 Scores and the cut. Every source has its own `AcceptanceTracker` (budget.py): per-depth acceptance
-of the nodes it proposed, learnt from earlier steps' outcomes (the model's starts from its
-checkpoint's held-out acceptance, `Drafter.held_out_acceptance`, when known). A node's score is its
+of the nodes it proposed, learnt from earlier steps' outcomes; a request's trackers start from each
+source's outcomes over the drafter's earlier requests (`population`, shared by its copies), before any
+from the model's checkpoint's held-out acceptance (`Drafter.held_out_acceptance`) when known. A node's score is its
 source's path score at the node's depth (a merged node: the best of its sources'), which is
 information from before this step's drafting. The step's candidates are ranked best first by score
 (ties: shallower, then retrieval before the model): the retrieval nodes and the model's prospective
@@ -54,9 +55,11 @@ from ..checks import check_int
 from ..draft import Draft
 from .base import DraftContext, DraftCost, Drafter, drafter_class, drafter_options, register_drafter, retrieval_sources
 
-# bigram (pld's single-token fallback, tracked apart) drafts where suffix and pld find no longer match:
-# on the 1.5B dev subset (3 questions per kind) the hybrid with it made 1.14x plain, without it 1.12x
-DEFAULT_SOURCES = ("suffix", "pld", "bigram")
+# bigram (`sources=suffix,pld,bigram`) drafts one token where suffix and pld find no longer match: on
+# the 1.5B dev subset (3 questions per kind) the hybrid with it made 1.14x plain, without it 1.12x; but
+# auto with it in its hybrid served 4 and 8 users at 0.96-0.98x plain (3 runs; 1.01x and 1.04x
+# without), so it is not a default (docs/architecture.md)
+DEFAULT_SOURCES = ("suffix", "pld")
 
 
 def sub_drafter_options(name: str, raw: str | dict | None) -> dict:
@@ -214,6 +217,10 @@ class HybridDrafter(Drafter):
         self.wants_node_logits = any(d.wants_node_logits for d in self.parts())
         # the prior of the auto policy's draft-cost measurement: the model's price when there is one
         self.cost = DraftCost(block=check_int("gamma", gamma, 1, 1024), per_token=prior, trees=True)
+        # each source's outcomes over every request this drafter and its for_sequence() copies served (one
+        # list, shared): a request's trackers start from them, so a source that is rarely right (bigram)
+        # does not start every request at the default prior and buy verify rows it does not repay
+        self.population = [AcceptanceTracker(decay=0.99) for _ in self.source_names]
         self._reset()
 
     @staticmethod
@@ -239,16 +246,23 @@ class HybridDrafter(Drafter):
 
     def _reset(self) -> None:
         # fresh objects (never cleared in place): for_sequence() copies share attributes until begin()
-        self.trackers = [AcceptanceTracker() for _ in self.retrieval]
-        if self.model is not None:  # the model's starts from its checkpoint's held-out acceptance when known
-            prior = self.model.held_out_acceptance
-            self.trackers.append(AcceptanceTracker() if prior is None else AcceptanceTracker(prior=prior))
+        self.trackers = [AcceptanceTracker(prior=self._starting_estimate(source)) for source in range(len(self.population))]
         self.last_step: tuple[CandidateTrie, list[int]] | None = None  # (trie, the trie node of each draft node)
         self.found: tuple[int, int, CandidateTrie] | None = None  # (committed tokens, limit, retrieval trie) of this step
         self.model_slots = True  # whether this step's ranking holds the model's slots (offered_paths' `paid`)
         # the model's drafting time in this request (per request, like the trackers: a slow outlier that
         # priced the model out is forgotten by the next request)
         self.model_timing = DraftTiming()
+
+    def _starting_estimate(self, source: int) -> float:
+        """Where a request's tracker for `source` starts: the population's estimate once earlier
+        requests saw the source's outcomes; before that the model's checkpoint's held-out acceptance
+        when known, else the default prior."""
+        population = self.population[source]
+        held_out = self.model.held_out_acceptance if source == len(self.retrieval) else None
+        if not population.reached_weight and held_out is not None:
+            return held_out
+        return population.probs(1)[0]
 
     def for_sequence(self) -> HybridDrafter:
         fresh = copy.copy(self)
@@ -362,3 +376,4 @@ class HybridDrafter(Drafter):
             while accepted < len(path) and source in path[accepted].sources:
                 accepted += 1
             tracker.update(max(depths), accepted)
+            self.population[source].update(max(depths), accepted)
