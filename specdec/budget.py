@@ -35,8 +35,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from .acceptance import AcceptanceTracker, chain_path_scores
 from .checks import check_int
 from .cost import CostTable
 from .draft import Draft
@@ -60,11 +61,6 @@ def _check_descending(name: str, values: Sequence[float]) -> list[float]:
                 f"index {index} ({values[index]}) > index {index - 1} ({values[index - 1]})"
             )
     return values
-
-
-def chain_path_scores(accept_probs_by_depth: Sequence[float]) -> list[float]:
-    """Per-depth conditional acceptance a_d -> P(depths 1..d all accepted) = prod_{j<=d} a_j."""
-    return survivals(check_probabilities("accept_probs_by_depth", accept_probs_by_depth))
 
 
 def tokens_per_ms(path_scores: Sequence[float], cost: CostTable, draft_ms_per_node: float | Sequence[float],
@@ -142,81 +138,6 @@ def allocate_batch_budget(per_request_scores: Sequence[Sequence[float]], cost: C
         return 1000.0 / ((tokens - num_requests) * draft_ms + cost.t(tokens))
 
     return admit_survivals(per_request_scores, steps_per_second)
-
-
-@dataclass
-class AcceptanceTracker:
-    """Running per-depth acceptance estimates a_d = P(depth d accepted | depth d reached).
-
-    Each depth keeps exponentially decayed counts (``decay`` per observation) shrunk toward
-    ``prior`` with ``prior_weight`` pseudo-observations, so early estimates are sane and old
-    behaviour fades. Depths never observed report the prior.
-    """
-
-    prior: float = 0.6
-    prior_weight: float = 2.0
-    decay: float = 0.95
-    accepted_weight: list[float] = field(default_factory=list)  # decayed accepts per depth
-    reached_weight: list[float] = field(default_factory=list)  # decayed reaches per depth
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.prior <= 1.0:
-            raise ValueError(f"prior must be in [0, 1], got {self.prior}")
-        if self.prior_weight <= 0:
-            raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
-        if not 0.0 < self.decay <= 1.0:
-            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
-
-    def update(self, drafted_depths: int, accepted: int) -> None:
-        """One verify step: depths 1..drafted_depths were drafted, the first ``accepted`` kept."""
-        if drafted_depths < 0 or not 0 <= accepted <= drafted_depths:
-            raise ValueError(
-                f"need 0 <= accepted <= drafted_depths, got accepted={accepted}, "
-                f"drafted_depths={drafted_depths}"
-            )
-        self.update_expected([1.0] * accepted + [0.0] * (accepted < drafted_depths))
-
-    def update_expected(self, path_survivals: Sequence[float]) -> None:
-        """One step's outcome as probabilities: path_survivals[d - 1] = P(depths 1..d all accepted),
-        non-increasing. Depth d counts as reached with its parent's survival (1 for depth 1) and as
-        accepted with its own; depths whose parent cannot survive keep their estimates. `update` is
-        the 0 / 1 case; a drafter's calibrated confidences give the expected outcome of positions
-        that were drafted but not verified."""
-        parent = 1.0
-        for index, survival in enumerate(check_probabilities("path_survivals", path_survivals)):
-            if parent <= 0.0:
-                break
-            if survival > parent:
-                raise ValueError(f"path_survivals must not increase: depth {index + 1} ({survival}) > its parent ({parent})")
-            if index == len(self.reached_weight):
-                self.reached_weight.append(0.0)
-                self.accepted_weight.append(0.0)
-            self.reached_weight[index] = self.decay * self.reached_weight[index] + parent
-            self.accepted_weight[index] = self.decay * self.accepted_weight[index] + survival
-            parent = survival
-
-    def forget(self) -> None:
-        """A step without an observation: the counts decay as an observation's step would, so an
-        estimate that shut its drafter out drifts back toward the prior and the drafter is tried again."""
-        self.reached_weight = [self.decay * weight for weight in self.reached_weight]
-        self.accepted_weight = [self.decay * weight for weight in self.accepted_weight]
-
-    def probs(self, max_depth: int) -> list[float]:
-        """Estimated a_1..a_max_depth."""
-        if max_depth < 0:
-            raise ValueError(f"max_depth must be >= 0, got {max_depth}")
-        estimates = []
-        for index in range(max_depth):
-            accepted = self.accepted_weight[index] if index < len(self.accepted_weight) else 0.0
-            reached = self.reached_weight[index] if index < len(self.reached_weight) else 0.0
-            estimates.append(
-                (self.prior * self.prior_weight + accepted) / (self.prior_weight + reached)
-            )
-        return estimates
-
-    def path_scores(self, max_depth: int) -> list[float]:
-        """P(depths 1..d all accepted) for d = 1..max_depth (input to allocate_batch_budget)."""
-        return chain_path_scores(self.probs(max_depth))
 
 
 # ----------------------------------------------------------------------------- policies
@@ -478,9 +399,9 @@ class AutoBudget(BudgetPolicy):
         """The share of steps whose best prefix holds paid nodes, this step's included (a running
         average per sequence, from the population's; the population's over every sequence's steps).
         A catch-up pays back only on such steps: a hybrid's model slots enter where retrieval offers
-        little, and beside a source that nearly always offers a node (bigram) that is a few steps in
-        a request; priced as if every step used them, the draft model read each prompt for 2-3 nodes
-        (dev subset, auto with the 0.5B draft model: 1.05x where it had made 1.16x)."""
+        little, which beside a source that nearly always offers a node (bigram) is a few steps in a
+        request; priced as if every step used them, the 0.5B draft model read each prompt for 2-4
+        nodes (docs/architecture.md)."""
         state = seq.plan_state
         previous = self.population_paid_share if state.paid_share is None else state.paid_share
         state.paid_share = 0.8 * previous + 0.2 * paid
@@ -578,7 +499,6 @@ class AutoBudget(BudgetPolicy):
         step_ms = 1000.0 * (time_s - last_time_s) / (drafted - last_drafted)
         previous = state.draft_ms_per_token
         state.draft_ms_per_token = step_ms if previous is None else 0.7 * previous + 0.3 * step_ms
-
 
     def _measure_catch_up(self, seq, step_ms: float, drafted: int) -> None:
         """Learn a catch-up token's price from a step that began with one: the step's draft time less

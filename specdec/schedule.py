@@ -19,7 +19,7 @@ stopping at the first non-improvement decides position j only from positions vis
 The same rule therefore also needs c[r][j] to be known before x_j is drawn (a function of the
 tokens before j, never of x_j itself).
 
-Survivals from pre-draft estimates (specdec.budget's AcceptanceTracker) use the same walk
+Survivals from pre-draft estimates (specdec.acceptance's AcceptanceTracker) use the same walk
 through `admit_survivals`.
 """
 

@@ -10,7 +10,8 @@ import random
 
 import pytest
 
-from specdec.budget import AcceptanceTracker, AutoBudget, choose_budget, tokens_per_ms
+from specdec.acceptance import AcceptanceTracker
+from specdec.budget import AutoBudget, choose_budget, tokens_per_ms
 from specdec.cost import CostTable
 from specdec.draft import Draft
 from specdec.drafters.base import DraftContext, DraftCost, Drafter

@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from specdec.budget import AcceptanceTracker, allocate_batch_budget, chain_path_scores, choose_budget, tokens_per_ms
+from specdec.acceptance import AcceptanceTracker, chain_path_scores
+from specdec.budget import allocate_batch_budget, choose_budget, tokens_per_ms
 from specdec.cost import CostTable, default_cache_path, get_or_measure, measure_cost_table
 from specdec.profile import add_profile_arguments, plot_cost_table, run_profile
 

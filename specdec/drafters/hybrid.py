@@ -7,7 +7,7 @@ then proposes into the budget the retrieval candidates leave, and the whole is O
 verified by the one tree verification (specdec.verify). Each node names its source
 (`Draft.sources`), so `SpecStats` counts drafted and accepted nodes per source.
 
-Scores and the cut. Every source has its own `AcceptanceTracker` (budget.py): per-depth acceptance
+Scores and the cut. Every source has its own `AcceptanceTracker` (acceptance.py): per-depth acceptance
 of the nodes it proposed, learnt from earlier steps' outcomes; a request's trackers start from each
 source's outcomes over the drafter's earlier requests (`population`, shared by its copies), before any
 from the model's checkpoint's held-out acceptance (`Drafter.held_out_acceptance`) when known. A node's score is its
@@ -50,15 +50,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..budget import AcceptanceTracker
+from ..acceptance import AcceptanceTracker
 from ..checks import check_int
 from ..draft import Draft
 from .base import DraftContext, DraftCost, Drafter, drafter_class, drafter_options, register_drafter, retrieval_sources
 
 # bigram (`sources=suffix,pld,bigram`) drafts one token where suffix and pld find no longer match: on
-# the 1.5B dev subset (3 questions per kind) the hybrid with it made 1.14x plain, without it 1.12x; but
-# auto with it in its hybrid served 4 and 8 users at 0.96-0.98x plain (3 runs; 1.01x and 1.04x
-# without), so it is not a default (docs/architecture.md)
+# the 1.5B dev subset it added ~2 % to the hybrid, but auto with it served 4 users at 0.96-0.98x plain
+# (without it 0.98-1.01x): no gain under load, so it is opt-in (docs/architecture.md)
 DEFAULT_SOURCES = ("suffix", "pld")
 
 
