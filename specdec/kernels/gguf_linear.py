@@ -35,6 +35,9 @@ from .backends import CppSkinnyLinear
 KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 _FP32 = torch.float32
 ACTIVATIONS = ("fp32", "int8")  # GGUFLinear's activation modes: exact fp32, or int8 blocks (a8)
+# Rows up to which the 16-column repacked copy runs even where AMX tiles are on: a 1.5B forward on
+# Sapphire Rapids (gguf-a8, 2 threads) took 187 vs 204 ms at 24 rows, 229 vs 221 at 32 (docs/performance.md).
+X16_ROWS_OVER_AMX = 24
 
 
 def type_name(ggml_type: int) -> str:
@@ -123,16 +126,16 @@ class GGUFLinear(nn.Module):
         self.in_features = in_features
         self.out_features = blocks.shape[0]
         self.activations = activations
-        # int8 mode where the build has it and AMX tiles do not run the linears: the blocks repacked
-        # 16 output columns wide (csrc/a8_x16.cpp), the same bits at ~3x fewer instructions per
-        # verify row. A second copy of the bytes: `weight` stays the file's blocks (tying, lookups,
-        # fp32_weight and exports read them).
+        # int8 mode where the build has it (AVX-512 VNNI; Q4_K, Q6_K): the blocks repacked 16 output
+        # columns wide (csrc/a8_x16.cpp), the same bits at ~3x fewer instructions per verify row. A
+        # second copy of the bytes: `weight` stays the file's blocks (tying, lookups, fp32_weight,
+        # exports, and AMX tiles past X16_ROWS_OVER_AMX rows read them).
         self.x16_weight = self._repacked() if activations == "int8" else None
 
     def _repacked(self) -> torch.Tensor | None:
         library = self.backend.library
         nbytes = library.x16_bytes(self.ggml_type, self.out_features, self.in_features)
-        if not nbytes or library.amx:
+        if not nbytes:
             return None
         packed = huge_page_buffer(nbytes)  # 2 MiB aligned, so 64-byte aligned
         library.repack_x16(self.weight, self.ggml_type, self.in_features, packed)
@@ -148,7 +151,7 @@ class GGUFLinear(nn.Module):
             if not x.is_contiguous():
                 x = x.contiguous()
             library = self.backend.library
-            if self.x16_weight is not None:
+            if self.x16_weight is not None and (x.numel() <= X16_ROWS_OVER_AMX * self.in_features or not library.amx):
                 return library.linear_x16_a8(x, self.x16_weight, self.out_features, self.ggml_type, bias, library.threads())
             kernel = library.linear_gguf_a8 if self.activations == "int8" else library.linear_gguf
             return kernel(x, self.weight, self.ggml_type, bias, library.threads())
