@@ -276,15 +276,18 @@ def test_a8_bits_are_the_same_on_amx_vnni_and_avx2(name):
         for num_threads in (1, 2):
             torch.set_num_threads(num_threads)
             for rows in (1, 2, 5, 8, 16, 300):
+                # the raw blocks (the layer runs few rows on its 16-column copy where it has one)
                 library.set_amx(True, min_rows=1)
-                on_amx = layers[0](x[:rows])  # [rows, 45]
+                on_amx = library.linear_gguf_a8(x[:rows], blocks, qtype, bias, num_threads)  # [rows, 45]
                 library.set_amx(False)
-                on_vnni = layers[0](x[:rows])
+                on_vnni = library.linear_gguf_a8(x[:rows], blocks, qtype, bias, num_threads)
                 assert torch.equal(on_amx, on_vnni), f"AMX != VNNI at {rows} rows, {num_threads} threads"
                 assert torch.equal(on_vnni, layers[1](x[:rows])), f"VNNI != AVX2 at {rows} rows"
+                assert torch.equal(layers[0](x[:rows]), on_vnni), f"the AVX-512 layer differs at {rows} rows"
         library.set_amx(True, min_rows=1)
         # a row's bits do not depend on its position in the call: row 17 (block 2 of 16) alone
-        assert torch.equal(layers[0](x[:40])[17], layers[0](x[17:18])[0])
+        assert torch.equal(library.linear_gguf_a8(x[:40], blocks, qtype, bias, 2)[17],
+                           library.linear_gguf_a8(x[17:18], blocks, qtype, bias, 2)[0])
     finally:
         torch.set_num_threads(threads)
         library.set_amx(was_on)
@@ -296,7 +299,7 @@ def test_q6_k_amx_planes_are_exact_at_the_extremes():
     -128 / 127 / 0, activations at +-amax, so |w| up to 4096 and every low byte) keep the bits of
     the VNNI and AVX2 kernels."""
     library, avx2 = amx_library(), isa_backend("avx2")
-    avx512, was_on = isa_backend("avx512"), library.amx
+    was_on = library.amx
     rows, in_features = 19, 3 * 256
     blocks = random_blocks("Q6_K", rows, in_features, seed=21).view(rows, -1, 210).clone()  # [N, K / 256, 210]
     ql, qh, scales = blocks[..., :128], blocks[..., 128:192], blocks[..., 192:208]
@@ -308,14 +311,15 @@ def test_q6_k_amx_planes_are_exact_at_the_extremes():
     x = torch.randn(16, in_features, generator=torch.Generator().manual_seed(22))  # [16, K]
     x[:, ::5] = x.abs().amax(dim=1, keepdim=True) * torch.where(torch.arange(x.shape[1] // 5 + 1)[None] % 2 == 0, 1.0, -1.0)
     blocks = blocks.reshape(rows, -1)
-    layers = [GGUFLinear(blocks, KERNEL_TYPES["Q6_K"], in_features, None, b, activations="int8") for b in (avx512, avx2)]
+    qtype = KERNEL_TYPES["Q6_K"]
+    avx2_layer = GGUFLinear(blocks, qtype, in_features, None, avx2, activations="int8")
     try:
         for num_rows in (5, 8, 16):
             library.set_amx(True, min_rows=1)
-            on_amx = layers[0](x[:num_rows])  # [num_rows, 19]
+            on_amx = library.linear_gguf_a8(x[:num_rows], blocks, qtype, None, 2)  # [num_rows, 19]
             library.set_amx(False)
-            assert torch.equal(on_amx, layers[0](x[:num_rows])), f"AMX != VNNI at {num_rows} rows"
-            assert torch.equal(on_amx, layers[1](x[:num_rows])), f"AMX != AVX2 at {num_rows} rows"
+            assert torch.equal(on_amx, library.linear_gguf_a8(x[:num_rows], blocks, qtype, None, 2)), f"AMX != VNNI at {num_rows} rows"
+            assert torch.equal(on_amx, avx2_layer(x[:num_rows])), f"AMX != AVX2 at {num_rows} rows"
     finally:
         library.set_amx(was_on)
 
