@@ -35,9 +35,10 @@ from .backends import CppSkinnyLinear
 KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 _FP32 = torch.float32
 ACTIVATIONS = ("fp32", "int8")  # GGUFLinear's activation modes: exact fp32, or int8 blocks (a8)
-# Rows up to which the 16-column repacked copy runs even where AMX tiles are on: a 1.5B forward on
-# Sapphire Rapids (gguf-a8, 2 threads) took 187 vs 204 ms at 24 rows, 229 vs 221 at 32 (docs/performance.md).
-X16_ROWS_OVER_AMX = 24
+# The rows the interleaved copy runs: from 2 (one row streams the raw blocks as fast or faster: it is
+# bound by memory either way) up to 24 where AMX tiles are on (a 1.5B forward on Sapphire Rapids,
+# gguf-a8, 2 threads: 187 vs 204 ms at 24 rows, 229 vs 221 at 32; docs/performance.md).
+INTERLEAVED_MIN_ROWS, INTERLEAVED_ROWS_OVER_AMX = 2, 24
 
 
 def type_name(ggml_type: int) -> str:
@@ -126,19 +127,19 @@ class GGUFLinear(nn.Module):
         self.in_features = in_features
         self.out_features = blocks.shape[0]
         self.activations = activations
-        # int8 mode where the build has it (AVX-512 VNNI; Q4_K, Q6_K): the blocks repacked 16 output
-        # columns wide (csrc/a8_x16.cpp), the same bits at ~3x fewer instructions per verify row. A
-        # second copy of the bytes: `weight` stays the file's blocks (tying, lookups, fp32_weight,
-        # exports, and AMX tiles past X16_ROWS_OVER_AMX rows read them).
-        self.x16_weight = self._repacked() if activations == "int8" else None
+        # int8 mode, Q4_K / Q6_K: the blocks interleaved 16 (AVX-512 VNNI) or 8 output columns wide
+        # (csrc/a8_interleaved.cpp), the same bits at 2-4x fewer instructions per verify row. A second
+        # copy of the bytes: `weight` stays the file's blocks (tying, lookups, fp32_weight, exports,
+        # and AMX tiles past INTERLEAVED_ROWS_OVER_AMX rows read them).
+        self.interleaved_weight = self._interleaved() if activations == "int8" else None
 
-    def _repacked(self) -> torch.Tensor | None:
+    def _interleaved(self) -> torch.Tensor | None:
         library = self.backend.library
-        nbytes = library.x16_bytes(self.ggml_type, self.out_features, self.in_features)
+        nbytes = library.interleaved_bytes(self.ggml_type, self.out_features, self.in_features)
         if not nbytes:
             return None
         packed = huge_page_buffer(nbytes)  # 2 MiB aligned, so 64-byte aligned
-        library.repack_x16(self.weight, self.ggml_type, self.in_features, packed)
+        library.interleave(self.weight, self.ggml_type, self.in_features, packed)
         return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
@@ -151,8 +152,9 @@ class GGUFLinear(nn.Module):
             if not x.is_contiguous():
                 x = x.contiguous()
             library = self.backend.library
-            if self.x16_weight is not None and (x.numel() <= X16_ROWS_OVER_AMX * self.in_features or not library.amx):
-                return library.linear_x16_a8(x, self.x16_weight, self.out_features, self.ggml_type, bias, library.threads())
+            packed, rows = self.interleaved_weight, x.numel() // self.in_features
+            if packed is not None and rows >= INTERLEAVED_MIN_ROWS and (rows <= INTERLEAVED_ROWS_OVER_AMX or not library.amx):
+                return library.linear_interleaved_a8(x, packed, self.out_features, self.ggml_type, bias, library.threads())
             kernel = library.linear_gguf_a8 if self.activations == "int8" else library.linear_gguf
             return kernel(x, self.weight, self.ggml_type, bias, library.threads())
         # other dtypes, autograd, empty or mis-shaped input: F.linear on a temporary dense copy
@@ -167,7 +169,7 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"type={type_name(self.ggml_type)}, activations={self.activations}"
-                + (", x16" if self.x16_weight is not None else ""))
+                + (", interleaved" if self.interleaved_weight is not None else ""))
 
 
 class GGUFEmbedding(nn.Module):

@@ -47,9 +47,10 @@ SIGNATURES = {
     )),
     "sg_linear_gguf": (_int, _GGUF_LINEAR),
     "sg_linear_gguf_a8": (_int, _GGUF_LINEAR),
-    "sg_x16_bytes": (_i64, (_int, _i64, _i64)),  # ggml type, N, K
-    "sg_repack_x16": (_int, (_int, _ptr, _i64, _i64, _ptr, _int)),  # ggml type, blocks, N, K, out, threads
-    "sg_linear_x16_a8": (_int, _GGUF_LINEAR),  # the repacked weights in place of the blocks
+    "sg_interleaved_cols": (_int, ()),
+    "sg_interleaved_bytes": (_i64, (_int, _i64, _i64)),  # ggml type, N, K
+    "sg_interleave": (_int, (_int, _ptr, _i64, _i64, _ptr, _int)),  # ggml type, blocks, N, K, out, threads
+    "sg_linear_interleaved_a8": (_int, _GGUF_LINEAR),  # the interleaved copy in place of the blocks
     "sg_a8_row_bytes": (_i64, (_i64,)),
     "sg_quantize_a8": (_int, (_ptr, _i64, _i64, _int, _ptr)),  # x, M, K, block, out
     "sg_a8_block": (_int, (_int,)),
@@ -199,31 +200,36 @@ class SkinnyGemmLibrary:
             raise RuntimeError(f"GGUF a8 kernel rejected x {tuple(x.shape)}, blocks {tuple(blocks.shape)} of type {ggml_type}")
         return out
 
-    def x16_bytes(self, ggml_type: int, out_features: int, in_features: int) -> int:
-        """Bytes of the a8 weights repacked 16 output columns wide (csrc/a8_x16.cpp: ~3x fewer
-        instructions per verify row than the raw blocks), or 0 where this build has no such layout
-        (not AVX-512 VNNI; formats other than Q4_K, Q6_K)."""
-        return int(self._lib.sg_x16_bytes(int(ggml_type), out_features, in_features))
+    @property
+    def interleaved_cols(self) -> int:
+        """Output columns per group of the interleaved a8 copy: 16 on AVX-512 VNNI builds, else 8."""
+        return int(self._lib.sg_interleaved_cols())
 
-    def repack_x16(self, blocks: torch.Tensor, ggml_type: int, in_features: int, out: torch.Tensor) -> None:
-        """blocks [N, K / block * bytes] uint8 -> out [x16_bytes(...)] uint8, 64-byte aligned."""
-        status = self._lib.sg_repack_x16(int(ggml_type), blocks.data_ptr(), blocks.shape[0], in_features, out.data_ptr(), self.threads())
+    def interleaved_bytes(self, ggml_type: int, out_features: int, in_features: int) -> int:
+        """Bytes of the a8 weights interleaved `interleaved_cols` output columns wide
+        (csrc/a8_interleaved.cpp: 2-4x fewer instructions per verify row than the raw blocks), or 0
+        where there is no such layout (formats other than Q4_K, Q6_K; K not a multiple of 256)."""
+        return int(self._lib.sg_interleaved_bytes(int(ggml_type), out_features, in_features))
+
+    def interleave(self, blocks: torch.Tensor, ggml_type: int, in_features: int, out: torch.Tensor) -> None:
+        """blocks [N, K / block * bytes] uint8 -> out [interleaved_bytes(...)] uint8, 64-byte aligned."""
+        status = self._lib.sg_interleave(int(ggml_type), blocks.data_ptr(), blocks.shape[0], in_features, out.data_ptr(), self.threads())
         if status != 0:
-            raise RuntimeError(f"cannot repack blocks {tuple(blocks.shape)} of type {ggml_type} for {in_features} inputs")
+            raise RuntimeError(f"cannot interleave blocks {tuple(blocks.shape)} of type {ggml_type} for {in_features} inputs")
 
-    def linear_x16_a8(
+    def linear_interleaved_a8(
         self, x: torch.Tensor, packed: torch.Tensor, out_features: int, ggml_type: int, bias: torch.Tensor | None,
         num_threads: int,
     ) -> torch.Tensor:
-        """linear_gguf_a8 with the weights as `repack_x16` left them: bitwise the same result."""
+        """linear_gguf_a8 with the weights as `interleave` left them: bitwise the same result."""
         in_features = x.shape[-1]
         out = torch.empty(x.shape[:-1] + (out_features,), dtype=torch.float32)  # [..., N]
-        status = self._lib.sg_linear_x16_a8(
+        status = self._lib.sg_linear_interleaved_a8(
             x.data_ptr(), x.numel() // in_features, in_features, packed.data_ptr(), out_features, ggml_type,
             None if bias is None else bias.data_ptr(), out.data_ptr(), num_threads,
         )  # fmt: skip
         if status != 0:
-            raise RuntimeError(f"x16 a8 kernel rejected x {tuple(x.shape)} for {out_features} outputs of type {ggml_type}")
+            raise RuntimeError(f"interleaved a8 kernel rejected x {tuple(x.shape)} for {out_features} outputs of type {ggml_type}")
         return out
 
     @property

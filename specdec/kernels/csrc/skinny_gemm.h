@@ -28,6 +28,8 @@
 //     a8_int.h        a8's integer side on 256 bits (a8.cpp only): activation rows, dot-product steps,
 //                     the 256-bit builds' sub-block pairing
 //     amx.cpp         the a8 K-quant linears on AMX int8 tiles (built where the CPU has AMX)
+//     a8_interleaved.cpp  the a8 K-quants (Q4_K, Q6_K) from a copy interleaved 16 (zmm, a8_interleaved_zmm.h)
+//                     or 8 (ymm, a8_interleaved_ymm.h) columns wide: sg_interleave, sg_linear_interleaved_a8
 //     attention.cpp   batch-invariant attention and rotary embedding
 //     threads.cpp     the thread pool every call runs on
 // Only the sg_* functions are exported; everything else is hidden in namespace sg.

@@ -1,0 +1,214 @@
+// a8 K-quants (Q4_K, Q6_K) from a copy of the weights interleaved 16 output columns wide (AVX-512
+// VNNI builds) or 8 wide (the 256-bit builds): one vector holds 4 consecutive weights of every
+// column of a group, multiplied by ONE broadcast group of 4 activations, and int32 lane c is column
+// c's running sum: no horizontal sums, the sub-block scale multiply shared by the group's columns,
+// and the unpacking shared by every row of the call.
+//
+// Why: a verify row on the raw-block tiles costs ~90-140 vector instructions per 1,024 multiply-adds
+// (lanes of one column transposed and summed, scales applied per 4 weights); here ~23 (Q4_K) or ~34
+// (Q6_K) on AVX-512 VNNI and ~70-80 on AVX2 (docs/performance.md).
+//
+// Bits: the integer totals per 256 weights and column (sum over sub-blocks of sc * (q . x), of m *
+// bsum, of -32 * sc * bsum16 for Q6_K) are the same integers the raw-block tiles compute (exact, any
+// order), and each output takes the same float steps in the same order (a8.cpp's header), so the
+// outputs are bitwise those of sg_linear_gguf_a8 on the original blocks, on any row count and split.
+//
+// Layout, C = 16 (zmm) or 8 (ymm) columns per group: per group its super-blocks in K order, one tile
+// each (aligned to the vector); columns past N (the last group when N % C != 0) are zero (d = 0),
+// their outputs never stored.
+//   Q4_K (148 C bytes): d fp16[C] | dmin fp16[C] | sc u8[8][C] | m u8[4][C][2] (sub-blocks 2p, 2p + 1
+//     per column) | 8 sub-blocks x 4 vectors of 4 C bytes: byte 4c + i of vector (s, j) holds column
+//     c's quant 32 s + 4 j + i in its low nibble and 32 s + 16 + 4 j + i in its high nibble
+//   Q6_K (212 C bytes): d fp16[C] | 2 C zero | sc i8[8][C][2] (groups 2s, 2s + 1 per column) | 8
+//     sub-blocks x 6 vectors: 4 as Q4_K's (the low 4 bits of u = q + 32), then two whose byte
+//     4c + i holds the high 2 bits of quant 32 s + 4 j + i (resp. 32 s + 16 + 4 j + i) at bits 2j
+#include "skinny_gemm.h"
+#include "a8_int.h"
+
+namespace sg {
+namespace {
+
+#ifdef SG_A8_ZMM
+constexpr int kCols = 16, kMaxRows = 8;
+#else
+constexpr int kCols = 8, kMaxRows = 4;
+#endif
+// 1 and 2 rows walk two column groups at once: two weight streams per thread (one stream left a
+// 1-row Q6_K step ~10 % below the raw blocks' speed) and twice the independent sums
+constexpr int kPairedRows = 2;
+
+struct Args {
+  const uint8_t* group;  // the first group's first tile (a second group follows its K / 256 tiles)
+  int64_t blocks;        // K / 256
+  const uint8_t* xq;     // MR activation rows (a8_row_bytes(K) apart)
+  int64_t ldxq, K;
+  const float* bias;     // the first group's columns or null
+  float* y;              // [MR, ldy] at the first group's first column
+  int64_t ldy;
+  int n_cols;            // columns of the last group that exist (C but in the matrix's last group)
+};
+
+// the weight stream kPrefetch tiles ahead, one share of the tile's lines per sub-block s: with three
+// or more rows the arithmetic per byte leaves the hardware prefetcher behind (T(8) of the 1.5B 72 ms
+// with, 94 without); one or two rows (two streams) run faster without
+constexpr int kPrefetch = 4;
+template <int64_t kTileBytes>
+inline void prefetch_ahead(const uint8_t* t, int s) {
+  constexpr int kLines = (int)((kTileBytes / 64 + 7) / 8);
+#pragma GCC unroll 8
+  for (int l = 0; l < kLines; ++l) _mm_prefetch((const char*)(t + kPrefetch * kTileBytes + 64 * (kLines * s + l)), _MM_HINT_T0);
+}
+
+// The raw blocks into the tiles (the same for both widths): column c's block b into tile t.
+struct Q4KLayout {
+  static constexpr int64_t kBlockBytes = 144, kHeadBytes = 20 * kCols, kSubBytes = 16 * kCols;
+  static constexpr int64_t kTileBytes = kHeadBytes + 8 * kSubBytes;
+  static constexpr int64_t kScales = 4 * kCols, kMins = 12 * kCols;
+  // ggml's block_q4_K: d, dmin fp16, 12 bytes of 6-bit sc / m, qs[128]
+  static void repack(const uint8_t* b, int c, uint8_t* t) {
+    std::memcpy(t + 2 * c, b, 2), std::memcpy(t + 2 * kCols + 2 * c, b + 2, 2);
+    const uint8_t* s6 = b + 4;
+    for (int s = 0; s < 8; ++s) {
+      const int sc = s < 4 ? s6[s] & 63 : (s6[s + 4] & 0xF) | ((s6[s - 4] >> 6) << 4);
+      const int m = s < 4 ? s6[s + 4] & 63 : (s6[s + 4] >> 4) | ((s6[s] >> 6) << 4);
+      t[kScales + kCols * s + c] = (uint8_t)sc, t[kMins + 2 * kCols * (s / 2) + 2 * c + s % 2] = (uint8_t)m;
+    }
+    const uint8_t* qs = b + 16;  // quant 64 p + i: low nibble of qs[32 p + i] (i < 32), high of qs[32 p + i - 32]
+    auto quant = [&](int k) { return (qs[32 * (k / 64) + k % 32] >> (4 * (k % 64 / 32))) & 0xF; };
+    for (int s = 0; s < 8; ++s)
+      for (int j = 0; j < 4; ++j)
+        for (int i = 0; i < 4; ++i)
+          t[kHeadBytes + kSubBytes * s + 4 * kCols * j + 4 * c + i] =
+              (uint8_t)(quant(32 * s + 4 * j + i) | (quant(32 * s + 16 + 4 * j + i) << 4));
+  }
+};
+
+struct Q6KLayout {
+  static constexpr int64_t kBlockBytes = 210, kHeadBytes = 20 * kCols, kSubBytes = 24 * kCols;
+  static constexpr int64_t kTileBytes = kHeadBytes + 8 * kSubBytes;
+  static constexpr int64_t kScales = 4 * kCols, kHighA = 16 * kCols, kHighB = 20 * kCols;  // kHigh*: within a sub-block
+  // quant k of ggml's block_q6_K (ql[128], qh[64], sc int8[16], d fp16) as u = q + 32 (0..63)
+  static int quant(const uint8_t* b, int k) {
+    const int h = k / 128, r = k % 128;
+    return ((b[64 * h + r % 64] >> (4 * (r / 64))) & 0xF) | ((b[128 + 32 * h + r % 32] >> (2 * (r / 32))) & 3) << 4;
+  }
+  static void repack(const uint8_t* b, int c, uint8_t* t) {
+    std::memcpy(t + 2 * c, b + 208, 2);
+    for (int g = 0; g < 16; ++g) t[kScales + 2 * kCols * (g / 2) + 2 * c + g % 2] = b[192 + g];
+    for (int s = 0; s < 8; ++s) {
+      uint8_t* sub = t + kHeadBytes + kSubBytes * s;
+      for (int j = 0; j < 4; ++j)
+        for (int i = 0; i < 4; ++i) {
+          const int first = quant(b, 32 * s + 4 * j + i), second = quant(b, 32 * s + 16 + 4 * j + i);
+          sub[4 * kCols * j + 4 * c + i] = (uint8_t)((first & 0xF) | (second & 0xF) << 4);
+          sub[kHighA + 4 * c + i] |= (uint8_t)((first >> 4) << (2 * j));
+          sub[kHighB + 4 * c + i] |= (uint8_t)((second >> 4) << (2 * j));
+        }
+    }
+  }
+};
+
+#ifdef SG_A8_ZMM
+#include "a8_interleaved_zmm.h"
+#else
+#include "a8_interleaved_ymm.h"
+#endif
+
+using tile_fn_x = void (*)(const Args&);
+template <typename Fmt, int NG, std::size_t... I>
+constexpr std::array<tile_fn_x, sizeof...(I)> interleaved_tiles(std::index_sequence<I...>) {
+  return {Fmt::template tile<(int)I + 1, NG>...};
+}
+
+template <typename Fmt>
+void run_groups(const LinearJob& job, int64_t g_begin, int64_t g_end) {
+  static constexpr auto kTiles = interleaved_tiles<Fmt, 1>(std::make_index_sequence<kMaxRows>{});
+  static constexpr auto kPairedTiles = interleaved_tiles<Fmt, 2>(std::make_index_sequence<kPairedRows>{});
+  const int64_t blocks = job.K / 256, ldxq = a8_row_bytes(job.K);
+  const int step = job.M <= kPairedRows ? 2 : 1;
+  for (int64_t g = g_begin; g < g_end; g += step) {
+    const int ng = (int)std::min<int64_t>(step, g_end - g);
+    for (int64_t r = 0; r < job.M; r += kMaxRows) {  // the group's tiles stay in L2 for every row block
+      const int mr = (int)std::min<int64_t>(kMaxRows, job.M - r);
+      const Args args{job.w + g * blocks * Fmt::kTileBytes, blocks, job.xq + r * ldxq, ldxq, job.K,
+                      job.bias ? job.bias + kCols * g : nullptr, job.y + r * job.N + kCols * g, job.N,
+                      (int)std::min<int64_t>(kCols, job.N - kCols * (g + ng - 1))};
+      (ng == 2 ? kPairedTiles[mr - 1] : kTiles[mr - 1])(args);
+    }
+  }
+}
+
+// groups [g_begin, g_end) of job.w (the raw blocks, [N, K / 256 blocks]) into job.ctx (the copy)
+template <typename Fmt>
+void repack_groups(const LinearJob& job, int64_t g_begin, int64_t g_end) {
+  const int64_t blocks = job.K / 256, row_bytes = blocks * Fmt::kBlockBytes;
+  uint8_t* out = (uint8_t*)job.ctx;
+  for (int64_t g = g_begin; g < g_end; ++g)
+    for (int64_t kb = 0; kb < blocks; ++kb) {
+      uint8_t* t = out + (g * blocks + kb) * Fmt::kTileBytes;
+      std::memset(t, 0, Fmt::kTileBytes);
+      for (int c = 0; c < std::min<int64_t>(kCols, job.N - kCols * g); ++c)
+        Fmt::repack(job.w + (kCols * g + c) * row_bytes + kb * Fmt::kBlockBytes, c, t);
+    }
+}
+
+struct InterleavedFormat {
+  int64_t tile_bytes;
+  void (*repack_groups)(const LinearJob&, int64_t, int64_t);
+  void (*run_groups)(const LinearJob&, int64_t, int64_t);
+};
+template <typename Fmt>
+constexpr InterleavedFormat interleaved_format() {
+  return {Fmt::kTileBytes, repack_groups<Fmt>, run_groups<Fmt>};
+}
+
+const InterleavedFormat* find_interleaved_format(int ggml_type) {
+  static constexpr InterleavedFormat kQ4K = interleaved_format<Q4KTiles>(), kQ6K = interleaved_format<Q6KTiles>();
+  switch (ggml_type) {
+    case 12: return &kQ4K;  // GGML_TYPE_Q4_K
+    case 14: return &kQ6K;  // GGML_TYPE_Q6_K
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+}  // namespace sg
+
+using namespace sg;
+
+extern "C" {
+
+// Columns per group of this build's interleaved copy (16 or 8).
+int sg_interleaved_cols() { return kCols; }
+
+// Bytes of the interleaved copy of an [N, K] matrix of `ggml_type`, or 0 when there is none (a
+// format other than Q4_K / Q6_K, or K not a multiple of 256).
+int64_t sg_interleaved_bytes(int ggml_type, int64_t N, int64_t K) {
+  const InterleavedFormat* f = find_interleaved_format(ggml_type);
+  return f && N > 0 && K > 0 && K % 256 == 0 ? (N + kCols - 1) / kCols * (K / 256) * f->tile_bytes : 0;
+}
+
+// w [N, K / 256 blocks] of `ggml_type` -> out [sg_interleaved_bytes(ggml_type, N, K)], 64-byte aligned.
+int sg_interleave(int ggml_type, const uint8_t* w, int64_t N, int64_t K, uint8_t* out, int num_threads) {
+  if (!sg_interleaved_bytes(ggml_type, N, K) || !w || !out || (uintptr_t)out % 64) return 1;
+  LinearJob job{nullptr, 0, K, w, 0, nullptr, N, nullptr, nullptr, 0, (N + kCols - 1) / kCols,
+                find_interleaved_format(ggml_type)->repack_groups};
+  job.ctx = out;
+  return run_job(job, num_threads, N * K);
+}
+
+// y [M, N] = the a8 linear of x [M, K] with the interleaved copy (sg_interleave): bitwise
+// sg_linear_gguf_a8 on the original blocks.
+int sg_linear_interleaved_a8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int ggml_type,
+                             const float* bias, float* y, int num_threads) {
+  if (!sg_interleaved_bytes(ggml_type, N, K)) return 1;
+  int status;
+  if (bad_shape(x, M, K, w, N, y, &status)) return status;
+  std::vector<uint8_t> xq((size_t)(M * a8_row_bytes(K)));  // natural order (no SG_A8_PAIRED interleave)
+  for (int64_t i = 0; i < M; ++i) quantize_a8_row(x + i * K, K, 256, xq.data() + i * a8_row_bytes(K));
+  LinearJob job{x, M, K, w, 0, nullptr, N, bias, y, 0, (N + kCols - 1) / kCols, find_interleaved_format(ggml_type)->run_groups};
+  job.xq = xq.data();
+  return run_job(job, num_threads, M * N * K);
+}
+
+}  // extern "C"

@@ -1,0 +1,89 @@
+"""The a8 K-quant weights interleaved 16 (AVX-512 VNNI) or 8 (256-bit builds) output columns wide
+(csrc/a8_interleaved.cpp): bitwise the raw-block a8 kernel of the same build for every row count
+(1-2 rows walk two column groups at once, then tiles of up to 8 / 4 rows, more rows in blocks), odd N
+(a partial last group), bias, 1 or 2 threads and the largest integer sums; and GGUFLinear in int8
+mode runs Q4_K / Q6_K on the copy."""
+
+import pytest
+import torch
+from test_quant_a8 import extreme_k_quant_blocks, isa_backend
+from test_quant_kernel import random_blocks
+
+from specdec.kernels.gguf_linear import INTERLEAVED_ROWS_OVER_AMX, KERNEL_TYPES, GGUFLinear
+
+INTERLEAVED_TYPES = ["Q4_K", "Q6_K"]
+
+
+@pytest.fixture(scope="module", params=["avx512", "avx2-vnni", "avx2"])
+def library(request):
+    """Each build this CPU runs, with AMX tiles off (the raw-block reference then runs on the VNNI
+    tiles where the build has both)."""
+    library = isa_backend(request.param).library
+    was_on = library.amx
+    library.set_amx(False)
+    yield library
+    library.set_amx(was_on)
+
+
+def interleaved(library, blocks: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    nbytes = library.interleaved_bytes(qtype, blocks.shape[0], in_features)
+    buffer = torch.empty(nbytes + 64, dtype=torch.uint8)
+    start = -buffer.data_ptr() % 64
+    packed = buffer[start:start + nbytes]
+    library.interleave(blocks, qtype, in_features, packed)
+    return packed
+
+
+@pytest.mark.parametrize("name", INTERLEAVED_TYPES)
+def test_the_interleaved_copy_is_bitwise_the_raw_blocks(library, name):
+    qtype, in_features = KERNEL_TYPES[name], 5 * 256
+    for out_features in (45, 1029):  # a partial last group; enough groups to split across threads
+        blocks = random_blocks(name, out_features, in_features, seed=41)
+        packed = interleaved(library, blocks, qtype, in_features)
+        generator = torch.Generator().manual_seed(42)
+        bias = torch.randn(out_features, generator=generator)
+        x = torch.randn(40, in_features, generator=generator) * 3.0  # [40, K]
+        for threads in (1, 2):
+            for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 40):
+                for b in (None, bias):
+                    expected = library.linear_gguf_a8(x[:rows], blocks, qtype, b, threads)
+                    got = library.linear_interleaved_a8(x[:rows], packed, out_features, qtype, b, threads)
+                    assert torch.equal(got, expected), f"N {out_features}, {rows} rows, {threads} threads, bias {b is not None}"
+
+
+@pytest.mark.parametrize("name", INTERLEAVED_TYPES)
+def test_the_interleaved_copy_holds_the_largest_integer_sums(library, name):
+    """Every quant and sub-block scale at its largest magnitude, activations at +-amax: the int16
+    product pairs (Q4_K: a sub-block's 16 products per lane; Q6_K: 4 of up to 63 x 127), the scale
+    and offset products and the min terms keep the raw-block bits."""
+    qtype, rows, in_features = KERNEL_TYPES[name], 21, 3 * 256
+    blocks = extreme_k_quant_blocks(name, rows, in_features)
+    packed = interleaved(library, blocks, qtype, in_features)
+    signs = torch.where(torch.rand(16, in_features, generator=torch.Generator().manual_seed(5)) < 0.5, -1.0, 1.0)
+    signs[0], signs[1] = 1.0, -1.0  # all one sign: the largest sums
+    x = 2.5 * signs  # [16, K]: every activation is its block's amax
+    for num_rows in (1, 2, 3, 5, 8, 16):
+        expected = library.linear_gguf_a8(x[:num_rows], blocks, qtype, None, 2)
+        got = library.linear_interleaved_a8(x[:num_rows], packed, rows, qtype, None, 2)
+        assert torch.equal(got, expected), f"{num_rows} rows"
+
+
+def test_gguf_linear_runs_int8_k_quants_on_the_copy(library):
+    """int8 Q4_K / Q6_K layers hold the copy and give the raw blocks' bits through it (also past
+    INTERLEAVED_ROWS_OVER_AMX rows); the exact mode and the other formats have none."""
+    from specdec.kernels import CppSkinnyLinear
+
+    backend = CppSkinnyLinear(isa=library.isa)
+    in_features = 2 * 256
+    for name in INTERLEAVED_TYPES:
+        qtype = KERNEL_TYPES[name]
+        blocks = random_blocks(name, 33, in_features, seed=43)
+        layer = GGUFLinear(blocks, qtype, in_features, None, backend, activations="int8")
+        assert layer.interleaved_weight is not None and "interleaved" in repr(layer)
+        x = torch.randn(INTERLEAVED_ROWS_OVER_AMX + 3, in_features)
+        assert torch.equal(layer(x), library.linear_gguf_a8(x, blocks, qtype, None, 2))
+        assert GGUFLinear(blocks, qtype, in_features, None, backend).interleaved_weight is None  # fp32 activations
+    q8 = random_blocks("Q8_0", 33, in_features, seed=44)
+    assert GGUFLinear(q8, KERNEL_TYPES["Q8_0"], in_features, None, backend, activations="int8").interleaved_weight is None
+    assert library.interleaved_bytes(KERNEL_TYPES["Q4_K"], 33, 288) == 0  # K not a multiple of 256
+    assert library.interleaved_cols in (8, 16)
