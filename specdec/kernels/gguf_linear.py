@@ -35,10 +35,10 @@ from .backends import CppSkinnyLinear
 KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 _FP32 = torch.float32
 ACTIVATIONS = ("fp32", "int8")  # GGUFLinear's activation modes: exact fp32, or int8 blocks (a8)
-# The rows the interleaved copy runs: from 2 (one row streams the raw blocks as fast or faster: it is
-# bound by memory either way) up to 24 where AMX tiles are on (a 1.5B forward on Sapphire Rapids,
-# gguf-a8, 2 threads: 187 vs 204 ms at 24 rows, 229 vs 221 at 32; docs/performance.md).
-INTERLEAVED_MIN_ROWS, INTERLEAVED_ROWS_OVER_AMX = 2, 24
+# The most rows the interleaved copy runs where AMX tiles are on (a 1.5B forward on Sapphire Rapids,
+# gguf-a8, 2 threads: 187 vs 204 ms at 24 rows, 229 vs 221 at 32; docs/performance.md). The fewest:
+# the library's interleaved_min_rows (fewer rows stream the raw blocks as fast or faster).
+INTERLEAVED_ROWS_OVER_AMX = 24
 
 
 def type_name(ggml_type: int) -> str:
@@ -153,7 +153,7 @@ class GGUFLinear(nn.Module):
                 x = x.contiguous()
             library = self.backend.library
             packed, rows = self.interleaved_weight, x.numel() // self.in_features
-            if packed is not None and rows >= INTERLEAVED_MIN_ROWS and (rows <= INTERLEAVED_ROWS_OVER_AMX or not library.amx):
+            if packed is not None and rows >= library.interleaved_min_rows and (rows <= INTERLEAVED_ROWS_OVER_AMX or not library.amx):
                 return library.linear_interleaved_a8(x, packed, self.out_features, self.ggml_type, bias, library.threads())
             kernel = library.linear_gguf_a8 if self.activations == "int8" else library.linear_gguf
             return kernel(x, self.weight, self.ggml_type, bias, library.threads())

@@ -48,6 +48,7 @@ SIGNATURES = {
     "sg_linear_gguf": (_int, _GGUF_LINEAR),
     "sg_linear_gguf_a8": (_int, _GGUF_LINEAR),
     "sg_interleaved_cols": (_int, ()),
+    "sg_interleaved_min_rows": (_int, ()),
     "sg_interleaved_bytes": (_i64, (_int, _i64, _i64)),  # ggml type, N, K
     "sg_interleave": (_int, (_int, _ptr, _i64, _i64, _ptr, _int)),  # ggml type, blocks, N, K, out, threads
     "sg_linear_interleaved_a8": (_int, _GGUF_LINEAR),  # the interleaved copy in place of the blocks
@@ -95,6 +96,10 @@ class SkinnyGemmLibrary:
         self._linear_i8 = lib.sg_linear_i8
         self._attention = lib.sg_attention
         self.vector_width = int(lib.sg_vector_width())
+        # the interleaved a8 copy: output columns per group (16 on AVX-512 VNNI builds, else 8), and the
+        # rows from which it beats the raw blocks (2, or 3 on the 256-bit builds; same bits either way)
+        self.interleaved_cols = int(lib.sg_interleaved_cols())
+        self.interleaved_min_rows = int(lib.sg_interleaved_min_rows())
         if lib.sg_isa().decode() != isa:
             raise KernelUnavailable(f"{path} was built for {lib.sg_isa().decode()}, expected {isa}")
         self.set_amx(os.environ.get(ENV_AMX, "1").strip().lower() not in ("0", "off", "false", "no"))
@@ -199,11 +204,6 @@ class SkinnyGemmLibrary:
         if status != 0:
             raise RuntimeError(f"GGUF a8 kernel rejected x {tuple(x.shape)}, blocks {tuple(blocks.shape)} of type {ggml_type}")
         return out
-
-    @property
-    def interleaved_cols(self) -> int:
-        """Output columns per group of the interleaved a8 copy: 16 on AVX-512 VNNI builds, else 8."""
-        return int(self._lib.sg_interleaved_cols())
 
     def interleaved_bytes(self, ggml_type: int, out_features: int, in_features: int) -> int:
         """Bytes of the a8 weights interleaved `interleaved_cols` output columns wide

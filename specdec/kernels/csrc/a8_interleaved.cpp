@@ -36,6 +36,14 @@ constexpr int kCols = 8, kMaxRows = 4;
 // 1 and 2 rows walk two column groups at once: two weight streams per thread (one stream left a
 // 1-row Q6_K step ~10 % below the raw blocks' speed) and twice the independent sums
 constexpr int kPairedRows = 2;
+// The fewest rows for which the copy beats the raw blocks (callers run fewer on the blocks): one row
+// is bound by memory on both, and on the 256-bit builds the 2-row tiles measured ~10 % slower (the
+// 1.5B's T(2), AVX2 build: 74.6-75.7 ms on the blocks, 83.3-84.9 on the copy; from 3 rows the copy wins)
+#ifdef SG_A8_ZMM
+constexpr int kMinRows = 2;
+#else
+constexpr int kMinRows = 3;
+#endif
 
 struct Args {
   const uint8_t* group;  // the first group's first tile (a second group follows its K / 256 tiles)
@@ -180,6 +188,9 @@ extern "C" {
 
 // Columns per group of this build's interleaved copy (16 or 8).
 int sg_interleaved_cols() { return kCols; }
+
+// Rows from which a linear should run on the copy rather than on the raw blocks (same bits either way).
+int sg_interleaved_min_rows() { return kMinRows; }
 
 // Bytes of the interleaved copy of an [N, K] matrix of `ggml_type`, or 0 when there is none (a
 // format other than Q4_K / Q6_K, or K not a multiple of 256).
