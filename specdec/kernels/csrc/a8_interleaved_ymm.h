@@ -33,26 +33,12 @@ struct Q4KTiles : Q4KLayout {
   template <int MR, int NG>
   static void tile(const Args& a) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
-    __m256 acc[NG][MR];
-    const uint8_t* q[MR];
-    const float* dx[MR];
-    const int16_t* bsum[MR];
-#pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) {
-      const A8Row row(a.xq + r * a.ldxq, a.K);
-      q[r] = row.q, dx[r] = row.d, bsum[r] = row.bsum;
-#pragma GCC unroll 2
-      for (int g = 0; g < NG; ++g) acc[g][r] = _mm256_setzero_ps();
-    }
+    const TileRows<MR> rows(a);
+    __m256 acc[NG][MR] = {};  // zeros
     for (int64_t kb = 0; kb < a.blocks; ++kb) {
       const uint8_t* t[NG];
-      __m256i total[NG][MR];
-#pragma GCC unroll 2
-      for (int g = 0; g < NG; ++g) {
-        t[g] = a.group + (g * a.blocks + kb) * kTileBytes;
-#pragma GCC unroll 4
-        for (int r = 0; r < MR; ++r) total[g][r] = _mm256_setzero_si256();
-      }
+      group_tiles<kTileBytes>(a, kb, t);
+      __m256i total[NG][MR] = {};  // zeros
 #pragma GCC unroll 1
       for (int s = 0; s < 8; ++s) {
 #pragma GCC unroll 2
@@ -72,8 +58,8 @@ struct Q4KTiles : Q4KLayout {
             const int64_t k = 256 * kb + 32 * s + 4 * j;
 #pragma GCC unroll 4
             for (int r = 0; r < MR; ++r)
-              sum16[r] = _mm256_add_epi16(sum16[r], _mm256_add_epi16(_mm256_maddubs_epi16(w_lo, bcast4(q[r] + k)),
-                                                                     _mm256_maddubs_epi16(w_hi, bcast4(q[r] + k + 16))));
+              sum16[r] = _mm256_add_epi16(sum16[r], _mm256_add_epi16(_mm256_maddubs_epi16(w_lo, bcast4(rows.q[r] + k)),
+                                                                     _mm256_maddubs_epi16(w_hi, bcast4(rows.q[r] + k + 16))));
           }
 #pragma GCC unroll 4
           for (int r = 0; r < MR; ++r) total[g][r] = scaled_pairs(total[g][r], sum16[r], sc);
@@ -88,11 +74,11 @@ struct Q4KTiles : Q4KLayout {
         for (int p = 0; p < 4; ++p) m_pairs[p] = _mm256_cvtepu8_epi16(_mm_load_si128((const __m128i*)(t[g] + kMins + 2 * kCols * p)));
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r) {
-          const __m256 dxv = _mm256_set1_ps(dx[r][kb]);
+          const __m256 dxv = _mm256_set1_ps(rows.dx[r][kb]);
           acc[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[g][r]), _mm256_mul_ps(d_w, dxv), acc[g][r]);
           __m256i msum = _mm256_setzero_si256();
 #pragma GCC unroll 4
-          for (int p = 0; p < 4; ++p) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(m_pairs[p], bcast4(bsum[r] + 8 * kb + 2 * p)));
+          for (int p = 0; p < 4; ++p) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(m_pairs[p], bcast4(rows.bsum[r] + 8 * kb + 2 * p)));
           acc[g][r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin_w, dxv), acc[g][r]);
         }
       }
@@ -108,26 +94,12 @@ struct Q6KTiles : Q6KLayout {
   template <int MR, int NG>
   static void tile(const Args& a) {
     const __m256i low4 = _mm256_set1_epi8(0x0f), bits45 = _mm256_set1_epi8(0x30), low16 = _mm256_set1_epi32(0xffff);
-    __m256 acc[NG][MR];
-    const uint8_t* q[MR];
-    const float* dx[MR];
-    const int16_t* bsum16[MR];
-#pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) {
-      const A8Row row(a.xq + r * a.ldxq, a.K);
-      q[r] = row.q, dx[r] = row.d, bsum16[r] = row.bsum16;
-#pragma GCC unroll 2
-      for (int g = 0; g < NG; ++g) acc[g][r] = _mm256_setzero_ps();
-    }
+    const TileRows<MR> rows(a);
+    __m256 acc[NG][MR] = {};  // zeros
     for (int64_t kb = 0; kb < a.blocks; ++kb) {
       const uint8_t* t[NG];
-      __m256i total[NG][MR];
-#pragma GCC unroll 2
-      for (int g = 0; g < NG; ++g) {
-        t[g] = a.group + (g * a.blocks + kb) * kTileBytes;
-#pragma GCC unroll 4
-        for (int r = 0; r < MR; ++r) total[g][r] = _mm256_setzero_si256();
-      }
+      group_tiles<kTileBytes>(a, kb, t);
+      __m256i total[NG][MR] = {};  // zeros
 #pragma GCC unroll 1
       for (int s = 0; s < 8; ++s) {
 #pragma GCC unroll 2
@@ -139,7 +111,7 @@ struct Q6KTiles : Q6KLayout {
           // the quants' offset: -32 sc per group times the activations' sums per 16 (|32 sc| <= 4096)
           const __m256i offset_pairs = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(sc_pairs, 5));
 #pragma GCC unroll 4
-          for (int r = 0; r < MR; ++r) total[g][r] = scaled_pairs(total[g][r], offset_pairs, bcast4(bsum16[r] + 16 * kb + 2 * s));
+          for (int r = 0; r < MR; ++r) total[g][r] = scaled_pairs(total[g][r], offset_pairs, bcast4(rows.bsum16[r] + 16 * kb + 2 * s));
           const uint8_t* qs = t[g] + kHeadBytes + kSubBytes * s;
           const __m256i high_a = _mm256_load_si256((const __m256i*)(qs + kHighA)), high_b = _mm256_load_si256((const __m256i*)(qs + kHighB));
           if constexpr (NG == 1) prefetch_ahead<kTileBytes>(t[g], s);
@@ -156,8 +128,8 @@ struct Q6KTiles : Q6KLayout {
             const int64_t k = 256 * kb + 32 * s + 8 * jp;
 #pragma GCC unroll 4
             for (int r = 0; r < MR; ++r) {
-              const __m256i pairs_a = _mm256_add_epi16(_mm256_maddubs_epi16(u_a[0], bcast4(q[r] + k)), _mm256_maddubs_epi16(u_a[1], bcast4(q[r] + k + 4)));
-              const __m256i pairs_b = _mm256_add_epi16(_mm256_maddubs_epi16(u_b[0], bcast4(q[r] + k + 16)), _mm256_maddubs_epi16(u_b[1], bcast4(q[r] + k + 20)));
+              const __m256i pairs_a = _mm256_add_epi16(_mm256_maddubs_epi16(u_a[0], bcast4(rows.q[r] + k)), _mm256_maddubs_epi16(u_a[1], bcast4(rows.q[r] + k + 4)));
+              const __m256i pairs_b = _mm256_add_epi16(_mm256_maddubs_epi16(u_b[0], bcast4(rows.q[r] + k + 16)), _mm256_maddubs_epi16(u_b[1], bcast4(rows.q[r] + k + 20)));
               total[g][r] = scaled_pairs(scaled_pairs(total[g][r], pairs_a, sc_a), pairs_b, sc_b);
             }
           }
@@ -168,7 +140,7 @@ struct Q6KTiles : Q6KLayout {
         const __m256 d_w = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)t[g]));
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r)
-          acc[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[g][r]), _mm256_mul_ps(d_w, _mm256_set1_ps(dx[r][kb])), acc[g][r]);
+          acc[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[g][r]), _mm256_mul_ps(d_w, _mm256_set1_ps(rows.dx[r][kb])), acc[g][r]);
       }
     }
     store_rows<MR, NG>(acc, a);

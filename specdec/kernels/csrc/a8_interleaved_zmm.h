@@ -26,26 +26,12 @@ struct Q4KTiles : Q4KLayout {
   template <int MR, int NG>
   static void tile(const Args& a) {
     const __m512i low4 = _mm512_set1_epi8(0x0f);
-    __m512 acc[NG][MR];
-    const uint8_t* q[MR];
-    const float* dx[MR];
-    const int16_t* bsum[MR];
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      const A8Row row(a.xq + r * a.ldxq, a.K);
-      q[r] = row.q, dx[r] = row.d, bsum[r] = row.bsum;
-#pragma GCC unroll 2
-      for (int g = 0; g < NG; ++g) acc[g][r] = _mm512_setzero_ps();
-    }
+    const TileRows<MR> rows(a);
+    __m512 acc[NG][MR] = {};  // zeros
     for (int64_t kb = 0; kb < a.blocks; ++kb) {
       const uint8_t* t[NG];
-      __m512i total[NG][MR];
-#pragma GCC unroll 2
-      for (int g = 0; g < NG; ++g) {
-        t[g] = a.group + (g * a.blocks + kb) * kTileBytes;
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) total[g][r] = _mm512_setzero_si512();
-      }
+      group_tiles<kTileBytes>(a, kb, t);
+      __m512i total[NG][MR] = {};  // zeros
 #pragma GCC unroll 1
       for (int s = 0; s < 8; ++s) {
 #pragma GCC unroll 2
@@ -64,8 +50,8 @@ struct Q4KTiles : Q4KLayout {
             const int64_t k = 256 * kb + 32 * s + 4 * j;
 #pragma GCC unroll 8
             for (int r = 0; r < MR; ++r) {
-              lo[r] = _mm512_dpbusd_epi32(lo[r], w_lo, bcast4(q[r] + k));
-              hi[r] = _mm512_dpbusd_epi32(hi[r], w_hi, bcast4(q[r] + k + 16));
+              lo[r] = _mm512_dpbusd_epi32(lo[r], w_lo, bcast4(rows.q[r] + k));
+              hi[r] = _mm512_dpbusd_epi32(hi[r], w_hi, bcast4(rows.q[r] + k + 16));
             }
           }
 #pragma GCC unroll 8
@@ -81,11 +67,11 @@ struct Q4KTiles : Q4KLayout {
         for (int p = 0; p < 4; ++p) m_pairs[p] = _mm512_cvtepu8_epi16(_mm256_load_si256((const __m256i*)(t[g] + kMins + 32 * p)));
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
-          const __m512 dxv = _mm512_set1_ps(dx[r][kb]);
+          const __m512 dxv = _mm512_set1_ps(rows.dx[r][kb]);
           acc[g][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[g][r]), _mm512_mul_ps(d_w, dxv), acc[g][r]);
           __m512i msum = _mm512_setzero_si512();
 #pragma GCC unroll 4
-          for (int p = 0; p < 4; ++p) msum = _mm512_dpwssd_epi32(msum, m_pairs[p], bcast4(bsum[r] + 8 * kb + 2 * p));
+          for (int p = 0; p < 4; ++p) msum = _mm512_dpwssd_epi32(msum, m_pairs[p], bcast4(rows.bsum[r] + 8 * kb + 2 * p));
           acc[g][r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin_w, dxv), acc[g][r]);
         }
       }
@@ -101,29 +87,15 @@ struct Q6KTiles : Q6KLayout {
   template <int MR, int NG>
   static void tile(const Args& a) {
     const __m512i low4 = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30), low16 = _mm512_set1_epi32(0xffff);
-    __m512 acc[NG][MR];
-    const uint8_t* q[MR];
-    const float* dx[MR];
-    const int16_t* bsum16[MR];
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      const A8Row row(a.xq + r * a.ldxq, a.K);
-      q[r] = row.q, dx[r] = row.d, bsum16[r] = row.bsum16;
-#pragma GCC unroll 2
-      for (int g = 0; g < NG; ++g) acc[g][r] = _mm512_setzero_ps();
-    }
+    const TileRows<MR> rows(a);
+    __m512 acc[NG][MR] = {};  // zeros
     // the b groups' products in a second sum where registers allow: two chains of dependent
     // vpdpwssd (latency ~5 each) instead of one, which alone bounds a row or two
     constexpr bool kTwoChains = MR * NG <= 4;
     for (int64_t kb = 0; kb < a.blocks; ++kb) {
       const uint8_t* t[NG];
-      __m512i total[NG][MR], total_b[NG][MR];
-#pragma GCC unroll 2
-      for (int g = 0; g < NG; ++g) {
-        t[g] = a.group + (g * a.blocks + kb) * kTileBytes;
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) total[g][r] = _mm512_setzero_si512(), total_b[g][r] = _mm512_setzero_si512();
-      }
+      group_tiles<kTileBytes>(a, kb, t);
+      __m512i total[NG][MR] = {}, total_b[NG][MR] = {};  // zeros
 #pragma GCC unroll 1
       for (int s = 0; s < 8; ++s) {
 #pragma GCC unroll 2
@@ -136,7 +108,7 @@ struct Q6KTiles : Q6KLayout {
           // the quants' offset: -32 sc per group times the activations' sums per 16 (|32 sc| <= 4096)
           const __m512i offset_pairs = _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(sc_pairs, 5));
 #pragma GCC unroll 8
-          for (int r = 0; r < MR; ++r) total[g][r] = _mm512_dpwssd_epi32(total[g][r], offset_pairs, bcast4(bsum16[r] + 16 * kb + 2 * s));
+          for (int r = 0; r < MR; ++r) total[g][r] = _mm512_dpwssd_epi32(total[g][r], offset_pairs, bcast4(rows.bsum16[r] + 16 * kb + 2 * s));
           const uint8_t* qs = t[g] + kHeadBytes + kSubBytes * s;
           if constexpr (NG == 1) prefetch_ahead<kTileBytes>(t[g], s);
           const __m512i high_a = _mm512_load_si512((const void*)(qs + kHighA)), high_b = _mm512_load_si512((const void*)(qs + kHighB));
@@ -148,9 +120,9 @@ struct Q6KTiles : Q6KLayout {
             const int64_t k = 256 * kb + 32 * s + 4 * j;
 #pragma GCC unroll 8
             for (int r = 0; r < MR; ++r) {
-              total[g][r] = _mm512_dpwssd_epi32(total[g][r], _mm512_maddubs_epi16(u_a, bcast4(q[r] + k)), sc_a);
+              total[g][r] = _mm512_dpwssd_epi32(total[g][r], _mm512_maddubs_epi16(u_a, bcast4(rows.q[r] + k)), sc_a);
               __m512i& sum_b = kTwoChains ? total_b[g][r] : total[g][r];
-              sum_b = _mm512_dpwssd_epi32(sum_b, _mm512_maddubs_epi16(u_b, bcast4(q[r] + k + 16)), sc_b);
+              sum_b = _mm512_dpwssd_epi32(sum_b, _mm512_maddubs_epi16(u_b, bcast4(rows.q[r] + k + 16)), sc_b);
             }
           }
         }
@@ -161,7 +133,7 @@ struct Q6KTiles : Q6KLayout {
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r)
           acc[g][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(total[g][r], total_b[g][r])),
-                                      _mm512_mul_ps(d_w, _mm512_set1_ps(dx[r][kb])), acc[g][r]);
+                                      _mm512_mul_ps(d_w, _mm512_set1_ps(rows.dx[r][kb])), acc[g][r]);
       }
     }
     store_rows<MR, NG>(acc, a);
