@@ -697,12 +697,11 @@ int sg_linear_gguf_a8(const float* x, int64_t M, int64_t K, const uint8_t* w, in
   int status;
   if (bad_shape(x, M, K, w, N, y, &status)) return status;
   std::vector<uint8_t> xq((size_t)(M * a8_row_bytes(K)));  // [M, a8_row_bytes(K)]
-  for (int64_t i = 0; i < M; ++i) {
-    quantize_a8_row(x + i * K, K, f->a8_block, xq.data() + i * a8_row_bytes(K));
+  quantize_a8_rows(x, M, K, f->a8_block, xq.data());
 #ifdef SG_A8_PAIRED
-    if (f->a8_block == 256) pair_sub_blocks(xq.data() + i * a8_row_bytes(K), K);  // the K-quant tiles' order
+  if (f->a8_block == 256)  // the K-quant tiles' order
+    for (int64_t i = 0; i < M; ++i) pair_sub_blocks(xq.data() + i * a8_row_bytes(K), K);
 #endif
-  }
   LinearJob job{x, M, K, w, K / f->block * f->bytes, nullptr, N, bias, y, 0, 0, f->run_tiles_a8};
   job.xq = xq.data();
 #ifdef SG_AMX
@@ -724,7 +723,7 @@ int sg_a8_block(int ggml_type) {
 // in blocks of `block` (32 or 256; K a multiple of it).
 int sg_quantize_a8(const float* x, int64_t M, int64_t K, int block, uint8_t* out) {
   if (M < 0 || K <= 0 || (block != 32 && block != 256) || K % block || (M > 0 && (!x || !out))) return 1;
-  for (int64_t i = 0; i < M; ++i) quantize_a8_row(x + i * K, K, block, out + i * a8_row_bytes(K));
+  quantize_a8_rows(x, M, K, block, out);
   return 0;
 }
 

@@ -1,4 +1,4 @@
-// The a8 mode's integer side on 256 bits (a8.cpp includes it once): quantizing an activation row
+// The a8 mode's integer side on 256 bits (a8.cpp and a8_interleaved.cpp include it): quantizing an activation row
 // (the layout is in skinny_gemm.h), the exact integer dot-product steps of the 256-bit code, and the
 // K-quants' sub-block pairing of the 256-bit builds (AVX-VNNI packs, plain AVX2 interleaves).
 #pragma once
@@ -53,6 +53,11 @@ void quantize_a8_row(const float* x, int64_t K, int block, uint8_t* out) {
       ds[j] = scale * (float)sum;
     }
   }
+}
+
+// x [M, K] -> M activation rows, a8_row_bytes(K) apart (natural order; see pair_sub_blocks).
+void quantize_a8_rows(const float* x, int64_t M, int64_t K, int block, uint8_t* out) {
+  for (int64_t i = 0; i < M; ++i) quantize_a8_row(x + i * K, K, block, out + i * a8_row_bytes(K));
 }
 
 // 8 int32 lanes, lane i = sum of u[4i..4i+3] * s[4i..4i+3] (u unsigned, s signed bytes), exact:

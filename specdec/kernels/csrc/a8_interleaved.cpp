@@ -236,7 +236,7 @@ int sg_linear_interleaved_a8(const float* x, int64_t M, int64_t K, const uint8_t
   int status;
   if (bad_shape(x, M, K, w, N, y, &status)) return status;
   std::vector<uint8_t> xq((size_t)(M * a8_row_bytes(K)));  // natural order (no SG_A8_PAIRED interleave)
-  for (int64_t i = 0; i < M; ++i) quantize_a8_row(x + i * K, K, 256, xq.data() + i * a8_row_bytes(K));
+  quantize_a8_rows(x, M, K, 256, xq.data());
   LinearJob job{x, M, K, w, 0, nullptr, N, bias, y, 0, (N + kCols - 1) / kCols, find_interleaved_format(ggml_type)->run_groups};
   job.xq = xq.data();
   return run_job(job, num_threads, M * N * K);

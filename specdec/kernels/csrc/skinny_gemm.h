@@ -25,7 +25,7 @@
 //     gemm.cpp        fp32-activation tiles (micro_tile): sg_linear_f32, sg_linear_i8
 //     gguf.cpp        the GGUF formats by ggml type id, sg_linear_gguf, sg_dequantize_rows
 //     a8.cpp          int8 activations (a8_tile): sg_linear_gguf_a8, sg_quantize_a8
-//     a8_int.h        a8's integer side on 256 bits (a8.cpp only): activation rows, dot-product steps,
+//     a8_int.h        a8's integer side on 256 bits (a8.cpp, a8_interleaved.cpp): activation rows, dot-product steps,
 //                     the 256-bit builds' sub-block pairing
 //     amx.cpp         the a8 K-quant linears on AMX int8 tiles (built where the CPU has AMX)
 //     a8_interleaved.cpp  the a8 K-quants (Q4_K, Q6_K) from a copy interleaved 16 (zmm, a8_interleaved_zmm.h)
