@@ -36,7 +36,7 @@ KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 
 _FP32 = torch.float32
 ACTIVATIONS = ("fp32", "int8")  # GGUFLinear's activation modes: exact fp32, or int8 blocks (a8)
 # The most rows the interleaved copy runs where AMX tiles are on (a 1.5B forward on Sapphire Rapids,
-# gguf-a8, 2 threads: 187 vs 204 ms at 24 rows, 229 vs 221 at 32; docs/performance.md). The fewest:
+# gguf-a8, 2 threads, copy vs AMX: 177 vs 198 ms at 24 rows, 231 vs 216 at 32; docs/performance.md). The fewest:
 # the library's interleaved_min_rows (fewer rows stream the raw blocks as fast or faster).
 INTERLEAVED_ROWS_OVER_AMX = 24
 
