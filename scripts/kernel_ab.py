@@ -27,6 +27,7 @@ CONFIGS = {
     "exact-vnni": ("gguf", {"SPECDEC_KERNEL_AMX": "0"}),
     "exact-avx2": ("gguf", {"SPECDEC_KERNEL_ISA": "avx2", "SPECDEC_KERNEL_AMX": "0"}),
     "a8-amx": ("gguf-a8", {}),
+    "a8-vnni-raw": ("gguf-a8", {"SPECDEC_KERNEL_AMX": "0", "SPECDEC_KERNEL_INTERLEAVE": "0"}),  # no interleaved copy
 }
 
 

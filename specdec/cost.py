@@ -147,6 +147,8 @@ def cost_key(target, prefix_len: int = 64, clock: str = "wall") -> dict:
         key["torch_ops"] = "one thread"
         if key["weights"] == "gguf-a8" and library.amx:
             key["amx"] = True  # multi-row int8 K-quant linears on AMX tiles: another T(k) (same logits)
+        if key["weights"] == "gguf-a8" and not library.interleave_weights:
+            key["interleaved"] = False  # SPECDEC_KERNEL_INTERLEAVE=0: verify rows on the raw blocks, slower
     if device.type == "cuda" and torch.cuda.is_available():
         key["device_name"] = torch.cuda.get_device_name(device)
     if clock != "wall":  # wall-clock keys stay as they were (cached tables remain valid)

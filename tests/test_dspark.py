@@ -102,7 +102,7 @@ def test_loss_terms_match_hand_computed_values():
     assert loss.ce.item() == pytest.approx(mean(ce), rel=1e-5)
     assert loss.tv.item() == pytest.approx(mean(tv), rel=1e-5)
     assert loss.bce.item() == pytest.approx(mean(bce), rel=1e-5)
-    assert loss.total.item() == pytest.approx(0.1 * mean(ce) + 0.9 * mean(tv) + 1.0 * mean(bce), rel=1e-5)
+    assert loss.total.item() == pytest.approx(0.1 * mean(ce) + 0.9 * 2 * mean(tv) + 1.0 * mean(bce), rel=1e-5)
     torch.testing.assert_close(loss.acceptance, acceptance[None])
     torch.testing.assert_close(analytic_acceptance(q0, p0), torch.minimum(q0, p0).sum())
 

@@ -87,3 +87,32 @@ def test_gguf_linear_runs_int8_k_quants_on_the_copy(library):
     assert GGUFLinear(q8, KERNEL_TYPES["Q8_0"], in_features, None, backend, activations="int8").interleaved_weight is None
     assert library.interleaved_bytes(KERNEL_TYPES["Q4_K"], 33, 288) == 0  # K not a multiple of 256
     assert library.interleaved_cols in (8, 16)
+
+
+def test_the_copy_can_be_switched_off(library, monkeypatch):
+    """SPECDEC_KERNEL_INTERLEAVE=0 (the library's interleave_weights): no copy, the raw blocks' bits
+    at every row count, and a cost-table key of its own (its T(k) differ)."""
+    from specdec.kernels import CppSkinnyLinear
+    from specdec.kernels.library import _env_switch
+
+    monkeypatch.setenv("SPECDEC_KERNEL_INTERLEAVE", "0")
+    assert not _env_switch("SPECDEC_KERNEL_INTERLEAVE")
+    monkeypatch.setenv("SPECDEC_KERNEL_INTERLEAVE", "1")
+    assert _env_switch("SPECDEC_KERNEL_INTERLEAVE")
+    backend = CppSkinnyLinear(isa=library.isa)
+    monkeypatch.setattr(backend.library, "interleave_weights", False)
+    in_features = 256
+    blocks = random_blocks("Q4_K", 20, in_features, seed=45)
+    layer = GGUFLinear(blocks, KERNEL_TYPES["Q4_K"], in_features, None, backend, activations="int8")
+    assert layer.interleaved_weight is None
+    x = torch.randn(5, in_features)
+    assert torch.equal(layer(x), library.linear_gguf_a8(x, blocks, KERNEL_TYPES["Q4_K"], None, 2))
+
+    from types import SimpleNamespace
+
+    from specdec.cost import cost_key
+
+    target = SimpleNamespace(name="m", dtype=torch.float32, weights="gguf-a8", kernel_library=backend.library)
+    without = cost_key(target)
+    monkeypatch.setattr(backend.library, "interleave_weights", True)
+    assert cost_key(target) != without and without["interleaved"] is False

@@ -136,7 +136,7 @@ class GGUFLinear(nn.Module):
     def _interleaved(self) -> torch.Tensor | None:
         library = self.backend.library
         nbytes = library.interleaved_bytes(self.ggml_type, self.out_features, self.in_features)
-        if not nbytes:
+        if not nbytes or not library.interleave_weights:
             return None
         packed = huge_page_buffer(nbytes)  # 2 MiB aligned, so 64-byte aligned
         library.interleave(self.weight, self.ggml_type, self.in_features, packed)
