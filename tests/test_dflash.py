@@ -101,10 +101,12 @@ def test_block_attention_is_non_causal_and_reads_the_context(smollm2):
 
 
 @torch.no_grad()
-def test_training_forward_is_the_drafting_computation(smollm2):
+@pytest.mark.parametrize("anchor_feature", [False, True])
+def test_training_forward_is_the_drafting_computation(smollm2, anchor_feature):
     """One pass over many anchors (each block sees only context rows <= its anchor and its own rows)
-    equals block_hidden on each anchor's own context, which is what the drafter runs."""
-    module = _perturbed(build_heads("dflash", smollm2, 7, block_size=8))
+    equals block_hidden on each anchor's own context, which is what the drafter runs; with
+    anchor_feature too (each anchor row adds its own newest context state, not another block's)."""
+    module = _perturbed(build_heads("dflash", smollm2, 7, block_size=8, anchor_feature=anchor_feature))
     parts = FrozenTargetParts.from_target(smollm2)
     torch.manual_seed(2)
     batch, length = 2, 24
@@ -120,6 +122,28 @@ def test_training_forward_is_the_drafting_computation(smollm2):
     untouched = torch.ones(length, dtype=torch.bool)
     untouched[anchors[0]] = False
     assert features[:, 0, untouched].abs().max() == 0  # only anchor rows are computed
+    module.anchor_feature = not anchor_feature  # the switch really changes what the rows compute
+    other = module(hidden, tokens, positions, parts, anchors=anchors)
+    assert (other[:, 0, 3] - features[:, 0, 3]).abs().max() > 1e-3 * features[:, 0, 3].abs().max()
+
+
+def test_the_anchor_feature_variant_trains_drafts_losslessly_and_does_not_export(counter, dflash_data, tmp_path, capsys):
+    """--anchor-feature: recorded in the checkpoint, greedy output through the loop is plain decoding's,
+    and `specdec export` refuses it (no engine's layout has it) without writing anything."""
+    from specdec.cli import main
+
+    ckpt, export = tmp_path / "ckpt", tmp_path / "export"
+    assert main(["train", "dflash", "--model", str(counter.model_dir), "--data", str(dflash_data), "--block-size", "4",
+                 "--draft-layers", "1", "--steps", "3", "--batch-size", "2", "--no-progress", "--anchor-feature",
+                 "--out", str(ckpt)]) == 0
+    assert json.loads((ckpt / "config.json").read_text())["head"]["anchor_feature"] is True
+    drafter = DFlashDrafter(counter, checkpoint=str(ckpt))
+    assert drafter.heads.anchor_feature
+    prompt = [5, 6, 7, 8]
+    assert generate(counter, prompt, drafter, max_new_tokens=16).tokens == generate(counter, prompt, max_new_tokens=16).tokens
+    capsys.readouterr()
+    assert main(["export", str(ckpt), str(export)]) != 0
+    assert "--anchor-feature" in capsys.readouterr().err and not export.exists()
 
 
 def test_training_lowers_held_out_loss_and_drafts_whole_blocks(trained):

@@ -249,8 +249,9 @@ def test_drafted_q_is_the_trained_computation(smollm2, draft_weights):
     the token it drafted before) equal the teacher-forced training logits of the same tokens — to
     float rounding with fp32 draft weights, to int8 weight rounding with the default int8 ones."""
     kernel = make_backend("auto").backend.name  # "torch" where the kernel is off: draft_weights is then moot
-    for head in ("markov", "rnn"):
-        module = _perturbed(build_heads("dspark", smollm2, 5, block_size=5, markov_rank=16, sequential_head=head), scale=0.02)
+    for head, anchor_feature in (("markov", False), ("rnn", False), ("markov", True)):
+        module = _perturbed(build_heads("dspark", smollm2, 5, block_size=5, markov_rank=16, sequential_head=head,
+                                        anchor_feature=anchor_feature), scale=0.02)
         torch.nn.init.normal_(module.sequential.markov_head.markov_w2.weight, std=0.5)
         drafter = DSparkDrafter.from_module(smollm2, module, draft_weights=draft_weights)
         expected_backend = "torch" if kernel == "torch" else {"fp32": kernel, "int8": "int8"}[draft_weights]

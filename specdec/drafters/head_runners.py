@@ -196,6 +196,7 @@ class DFlashRunner:
         self.cache = KVCache(len(heads.layers), 1, attn.num_kv_heads, attn.head_dim, prompt_len + CACHE_HEADROOM,
                              target.dtype, target.device)
         self.held: list[torch.Tensor] = []  # target rows [n, F*H] not absorbed yet, oldest first
+        self.newest_state: torch.Tensor | None = None  # [1, 1, H] the newest cached context state (anchor_feature)
 
     @property
     def cached(self) -> int:
@@ -228,9 +229,11 @@ class DFlashRunner:
         start, num_new = self.cached, rows.shape[0]
         self.cache = grow_cache(self.cache, start + num_new + self.heads.block_size + CACHE_HEADROOM)
         positions = torch.arange(start, start + num_new, device=rows.device)[None]  # [1, n]
-        for slot, (keys, values) in enumerate(self.heads.context_kv(self.heads.context_states(rows[None]), positions)):
+        states = self.heads.context_states(rows[None])  # [1, n, H]
+        for slot, (keys, values) in enumerate(self.heads.context_kv(states, positions)):
             self.cache.write(slot, keys, values)
         self.cache.advance(num_new)
+        self.newest_state = states[:, -1:]
 
     def block_rows(self, root: int, length: int) -> torch.Tensor:
         """Final-normed hidden states [length, H] of the first `length` prediction rows of the block rooted at `root`."""
@@ -239,7 +242,7 @@ class DFlashRunner:
         offset = self.heads.prediction_offset
         block = self.heads.block_tokens(torch.tensor([root], device=self.heads.fc.weight.device))  # [1, block_size]
         positions = torch.arange(committed, committed + self.heads.block_size, device=block.device)[None]
-        hidden = self.heads.run_block(block, positions, self.cache, None, self.parts)  # [1, block_size, H]
+        hidden = self.heads.run_block(block, positions, self.cache, None, self.parts, self.newest_state)  # [1, block_size, H]
         self.cache.truncate(committed)  # forget the block's keys: only verified positions stay
         return hidden[0, offset : offset + length]
 

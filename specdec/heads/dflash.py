@@ -110,11 +110,15 @@ class DFlashModule(DraftHeads):
 
     def __init__(self, target_config, block_size: int = DEFAULT_BLOCK_SIZE, num_draft_layers: int = DEFAULT_DRAFT_LAYERS,
                  mask_token_id: int | None = None, intermediate_size: int | None = None,
-                 input_layers: tuple[int, ...] | None = None):
+                 input_layers: tuple[int, ...] | None = None, anchor_feature: bool = False):
         block_size = check_int("block_size", block_size, 1 + self.prediction_offset, 256)
         num_draft_layers = check_positive_int("num_draft_layers", num_draft_layers)
         super().__init__(input_layer=0, num_positions=block_size - self.prediction_offset)
         self.block_size = block_size
+        # specdec's variant (not in the published layouts): the anchor row also adds its newest context
+        # state to its input, as EAGLE's rows do, instead of reaching it only through attention
+        # (docs/dspark.md, "The anchor feature")
+        self.anchor_feature = bool(anchor_feature)
         # None: chosen from the target's embeddings by init_from_target (default_mask_token_id)
         self.mask_token_id = None if mask_token_id is None else check_int("mask_token_id", mask_token_id, 0,
                                                                           target_config.vocab_size - 1)
@@ -143,7 +147,7 @@ class DFlashModule(DraftHeads):
         input_layers = config.get("input_layers")
         return cls(target_config, block_size, config.get("num_draft_layers", DEFAULT_DRAFT_LAYERS),
                    config.get("mask_token_id"), config.get("intermediate_size"),
-                   tuple(input_layers) if input_layers else None)
+                   tuple(input_layers) if input_layers else None, config.get("anchor_feature", False))
 
     @property
     def input_layers(self) -> tuple[int, ...]:
@@ -157,6 +161,7 @@ class DFlashModule(DraftHeads):
     def head_config(self) -> dict:
         return {**super().head_config(), "block_size": self.block_size, "num_draft_layers": len(self.layers),
                 "mask_token_id": self.mask_token_id, "input_layers": list(self.fused_layers),
+                "anchor_feature": self.anchor_feature,
                 "intermediate_size": self.config.intermediate_size, "target_num_layers": self.target_num_layers,
                 "draft_config": {key: value for key, value in self.config.to_dict().items() if key in _DRAFT_CONFIG_KEYS}}
 
@@ -198,13 +203,19 @@ class DFlashModule(DraftHeads):
         return out
 
     def run_block(self, block_tokens: torch.Tensor, block_positions: torch.Tensor, cache, mask: torch.Tensor | None,
-                  parts: FrozenTargetParts) -> torch.Tensor:
-        """Block rows [B, N] (token ids, MASK included) at positions [B, N] -> final-normed hidden [B, N, H].
+                  parts: FrozenTargetParts, anchor_states: torch.Tensor | None = None) -> torch.Tensor:
+        """Block rows [B, N] (token ids, MASK included; N = A blocks of block_size) at positions [B, N]
+        -> final-normed hidden [B, N, H].
 
         `cache`: a KVCache holding the context keys (inference; the block's keys are written after
         them, the caller truncates) or a ContextKeys (training). `mask` [B or 1, 1, N, S + N]
-        (True = may attend); None = every key (one block over its whole context)."""
+        (True = may attend); None = every key (one block over its whole context). `anchor_states`
+        [B, A, H]: with anchor_feature, each block's newest context state, added to its anchor row."""
         x = parts.embed(block_tokens).to(self.fc.weight.dtype)  # [B, N, H]: the target's frozen embeddings
+        if self.anchor_feature:
+            batch, rows, hidden = x.shape
+            blocks = x.view(batch, rows // self.block_size, self.block_size, hidden)  # [B, A, size, H]
+            x = torch.cat([blocks[:, :, :1] + anchor_states[:, :, None].to(x.dtype), blocks[:, :, 1:]], dim=2).view_as(x)
         cos, sin = self.rope(block_positions, x.dtype)
         for slot, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, slot, mask)
@@ -232,12 +243,16 @@ class DFlashModule(DraftHeads):
             context_positions = torch.arange(length, device=device).expand(batch, length)
         if context_valid is None:
             context_valid = torch.ones(batch, length, dtype=torch.bool, device=device)
-        newest = torch.where(context_valid, context_positions, torch.full_like(context_positions, -1)).amax(dim=1)  # [B]
+        newest, newest_row = torch.where(context_valid, context_positions,
+                                         torch.full_like(context_positions, -1)).max(dim=1)  # [B], [B]
         block_positions = newest[:, None] + 1 + torch.arange(self.block_size, device=device)  # [B, K + offset]
-        kv = self.context_kv(self.context_states(context), context_positions)
+        states = self.context_states(context)  # [B, T, H]
+        kv = self.context_kv(states, context_positions)
+        anchor_states = states[torch.arange(batch, device=device), newest_row][:, None]  # [B, 1, H]
         mask = torch.cat([context_valid[:, None, :].expand(batch, self.block_size, length),
                           torch.ones(batch, self.block_size, self.block_size, dtype=torch.bool, device=device)], dim=2)
-        hidden = self.run_block(self.block_tokens(anchor_ids), block_positions, ContextKeys(kv), mask[:, None], parts)
+        hidden = self.run_block(self.block_tokens(anchor_ids), block_positions, ContextKeys(kv), mask[:, None], parts,
+                                anchor_states)
         return hidden[:, self.prediction_offset :]  # [B, K, H]
 
     def forward(self, hidden, tokens, positions, parts, anchors: torch.Tensor | None = None) -> torch.Tensor:
@@ -258,8 +273,10 @@ class DFlashModule(DraftHeads):
         sees_context = sees_context[:, :, None, :].expand(batch, num_anchors, size, length).reshape(batch, -1, length)
         own_block = torch.block_diag(*[torch.ones(size, size, dtype=torch.bool, device=device)] * num_anchors)
         mask = torch.cat([sees_context, own_block.expand(batch, -1, -1)], dim=2)[:, None]  # [B, 1, A*size, T + A*size]
-        kv = self.context_kv(self.context_states(hidden), positions)
-        out = self.run_block(block, block_positions, ContextKeys(kv), mask, parts)  # [B, A * size, H]
+        states = self.context_states(hidden)  # [B, T, H]
+        kv = self.context_kv(states, positions)
+        anchor_states = states.gather(1, anchors[:, :, None].expand(-1, -1, states.shape[-1]))  # [B, A, H]: row t
+        out = self.run_block(block, block_positions, ContextKeys(kv), mask, parts, anchor_states)  # [B, A * size, H]
         rows = out.view(batch, num_anchors, size, -1)[:, :, self.prediction_offset :]  # [B, A, K, H]
         features = out.new_zeros(self.num_positions, batch, length, out.shape[-1])  # [K, B, T, H]
         index = anchors[None, :, :, None].expand(self.num_positions, batch, num_anchors, out.shape[-1])

@@ -331,8 +331,9 @@ class DSparkModule(DFlashModule):
     def __init__(self, target_config, block_size: int = DEFAULT_BLOCK_SIZE, num_draft_layers: int = DEFAULT_DRAFT_LAYERS,
                  mask_token_id: int | None = None, intermediate_size: int | None = None,
                  input_layers: tuple[int, ...] | None = None, markov_rank: int = DEFAULT_MARKOV_RANK,
-                 sequential_head: str = "markov"):
-        super().__init__(target_config, block_size, num_draft_layers, mask_token_id, intermediate_size, input_layers)
+                 sequential_head: str = "markov", anchor_feature: bool = False):
+        super().__init__(target_config, block_size, num_draft_layers, mask_token_id, intermediate_size, input_layers,
+                         anchor_feature)
         self.sequential = SequentialParts(target_config.vocab_size, target_config.hidden_size, self.block_size,
                                           markov_rank, sequential_head)
         # [V'] the token ids q lives on in training and held-out evaluation (fit_vocabulary; None =
@@ -350,7 +351,8 @@ class DSparkModule(DFlashModule):
             target_config.num_hidden_layers = config["target_num_layers"]
         return cls(target_config, backbone.block_size, len(backbone.layers), backbone.mask_token_id,
                    backbone.config.intermediate_size, backbone.fused_layers,
-                   config.get("markov_rank", DEFAULT_MARKOV_RANK), config.get("sequential_head", "markov"))
+                   config.get("markov_rank", DEFAULT_MARKOV_RANK), config.get("sequential_head", "markov"),
+                   backbone.anchor_feature)
 
     def head_config(self) -> dict:
         return {**super().head_config(), "markov_rank": self.sequential.markov_head.rank,

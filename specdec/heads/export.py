@@ -141,12 +141,19 @@ def dflash_export_config(module: DFlashModule, dtype: str) -> dict:
     }
 
 
+def _check_published_layout(module: DFlashModule) -> None:
+    if module.anchor_feature:
+        raise ValueError(f"this {module.kind} checkpoint was trained with --anchor-feature, which no engine's layout has: "
+                         "it runs in specdec only")
+
+
 def export_dflash(module: DFlashModule, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
     """Write `module` as a DFlashDraftModel directory SGLang and vLLM load (no embeddings, no LM head)."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     if module.mask_token_id is None:
         raise ValueError("the DFlash module has no mask_token_id (build it with build_heads, which chooses one)")
+    _check_published_layout(module)
     tensors = {name: _cast(tensor, EXPORT_DTYPES[dtype]) for name, tensor in module.state_dict().items()}
     return _write_directory(Path(out_dir), dflash_export_config(module, dtype), tensors)
 
@@ -158,6 +165,7 @@ def export_dspark(module: DSparkModule, target, out_dir: str | Path, dtype: str 
         raise ValueError(f"export dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     if module.mask_token_id is None:
         raise ValueError("the DSpark module has no mask_token_id (build it with build_heads, which chooses one)")
+    _check_published_layout(module)
     torch_dtype = EXPORT_DTYPES[dtype]
     sequential = module.sequential
     tensors = {name.removeprefix(_SEQUENTIAL_PREFIX): _cast(tensor, torch_dtype) for name, tensor in module.state_dict().items()
