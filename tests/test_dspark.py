@@ -116,6 +116,9 @@ def test_loss_ignores_invalid_positions():
     garbage = logits.clone()
     garbage[0, 2], garbage[1, 1:] = 50 * torch.randn(V), 50 * torch.randn(2, V)
     assert dspark_loss(garbage, target, labels, confidence, valid).total.item() == pytest.approx(base.total.item(), rel=1e-6)
+    zeroed = target.clone()  # the trainer computes the target's logits at valid positions only (zeros elsewhere)
+    zeroed[~valid] = 0.0
+    assert dspark_loss(logits, zeroed, labels, confidence, valid).total.item() == pytest.approx(base.total.item(), rel=1e-6)
     assert position_weights(3, 4.0).tolist() == pytest.approx([1.0, math.exp(-0.25), math.exp(-0.5)])
 
 

@@ -433,7 +433,11 @@ class DSparkModule(DFlashModule):
         logits, confidence = self.block_logits(blocks, parts)
         decay = -1.0 / math.log(settings.head_decay) if 0 < settings.head_decay < 1 else None
         top = blocks["top"]  # [N, K, H]: the target's own state, its logits over the whole vocabulary
-        target_logits = parts.lm_head(top.reshape(-1, top.shape[-1])).view(*top.shape[:2], parts.lm_head_weight.shape[0])
+        # only where a position counts (the rest is masked out of every term): a teacher-forced block
+        # leaves the greedy path after a few positions, and this [rows, 151,936] head is most of a step
+        counted = blocks["valid"]  # [N, K]
+        target_logits = torch.zeros(*top.shape[:2], parts.lm_head_weight.shape[0], device=top.device)
+        target_logits[counted] = parts.lm_head(top[counted]).float()
         loss = dspark_loss(logits, target_logits, self.to_draft_indices(blocks["labels"]), confidence, blocks["valid"],
                            decay, ids=self.draft_ids)
         hits = (self.to_target_ids(logits.argmax(-1)) == blocks["labels"]) & blocks["valid"]  # [N, K]
