@@ -188,8 +188,8 @@ def _add_block_arguments(parser: argparse.ArgumentParser, block_help: str) -> No
                         help="the MASK token (default: the highest id with a non-zero embedding row)")
     parser.add_argument("--anchor-feature", action="store_true",
                         help="specdec's variant: the anchor row also adds its newest context state to its input (as "
-                             "EAGLE's rows do), not only through attention; learns position 1 far faster on a CPU "
-                             "budget; runs in specdec only (`specdec export` refuses it)")
+                             "EAGLE's rows do), not only through attention (docs/dspark.md); runs in specdec only "
+                             "(`specdec export` refuses it)")
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
