@@ -518,6 +518,15 @@ def test_bad_dspark_inputs_are_clear_errors(counter, trained, smollm2, tmp_path)
         DSparkDrafter(counter)
     with pytest.raises(ValueError, match="unknown DSpark sequential head"):
         build_heads("dspark", counter, 4, sequential_head="lstm")
+    with pytest.raises(ValueError, match="ce_weight"):
+        build_heads("dspark", counter, 4, ce_weight=0)
+
+
+def test_the_cross_entropy_weight_is_stored_and_read_back(counter, trained):
+    """--ce-weight (DeepSpec's 0.1 by default) is stored in the checkpoint's head config and read back."""
+    heads = build_heads("dspark", counter, 4, ce_weight=1.0)
+    assert heads.head_config()["ce_weight"] == 1.0 and "ce_weight" not in trained[2].head_config()
+    assert type(heads).from_config(heads.head_config(), counter.config).ce_weight == 1.0
 
 
 def test_dspark_cli_end_to_end(counter, tmp_path, capsys):

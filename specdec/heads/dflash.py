@@ -161,7 +161,8 @@ class DFlashModule(DraftHeads):
     def head_config(self) -> dict:
         return {**super().head_config(), "block_size": self.block_size, "num_draft_layers": len(self.layers),
                 "mask_token_id": self.mask_token_id, "input_layers": list(self.fused_layers),
-                "anchor_feature": self.anchor_feature,
+                # only when set: checkpoints written before the option existed still resume
+                **({"anchor_feature": True} if self.anchor_feature else {}),
                 "intermediate_size": self.config.intermediate_size, "target_num_layers": self.target_num_layers,
                 "draft_config": {key: value for key, value in self.config.to_dict().items() if key in _DRAFT_CONFIG_KEYS}}
 

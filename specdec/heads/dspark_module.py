@@ -331,9 +331,12 @@ class DSparkModule(DFlashModule):
     def __init__(self, target_config, block_size: int = DEFAULT_BLOCK_SIZE, num_draft_layers: int = DEFAULT_DRAFT_LAYERS,
                  mask_token_id: int | None = None, intermediate_size: int | None = None,
                  input_layers: tuple[int, ...] | None = None, markov_rank: int = DEFAULT_MARKOV_RANK,
-                 sequential_head: str = "markov", anchor_feature: bool = False):
+                 sequential_head: str = "markov", anchor_feature: bool = False, ce_weight: float = LOSS_WEIGHTS["ce"]):
         super().__init__(target_config, block_size, num_draft_layers, mask_token_id, intermediate_size, input_layers,
                          anchor_feature)
+        if not (isinstance(ce_weight, (int, float)) and 0 < ce_weight <= 100):
+            raise ValueError(f"ce_weight must be a number in (0, 100], got {ce_weight!r}")
+        self.ce_weight = float(ce_weight)  # the loss's cross-entropy weight (DeepSpec's 0.1 by default)
         self.sequential = SequentialParts(target_config.vocab_size, target_config.hidden_size, self.block_size,
                                           markov_rank, sequential_head)
         # [V'] the token ids q lives on in training and held-out evaluation (fit_vocabulary; None =
@@ -352,11 +355,13 @@ class DSparkModule(DFlashModule):
         return cls(target_config, backbone.block_size, len(backbone.layers), backbone.mask_token_id,
                    backbone.config.intermediate_size, backbone.fused_layers,
                    config.get("markov_rank", DEFAULT_MARKOV_RANK), config.get("sequential_head", "markov"),
-                   backbone.anchor_feature)
+                   backbone.anchor_feature, config.get("ce_weight", LOSS_WEIGHTS["ce"]))
 
     def head_config(self) -> dict:
+        # ce_weight only when not the default: checkpoints written before it existed still resume
+        changed = {} if self.ce_weight == LOSS_WEIGHTS["ce"] else {"ce_weight": self.ce_weight}
         return {**super().head_config(), "markov_rank": self.sequential.markov_head.rank,
-                "sequential_head": self.sequential.head_kind}
+                "sequential_head": self.sequential.head_kind, **changed}
 
     # ---- the draft vocabulary (training and held-out evaluation)
     def fit_vocabulary(self, ranked_ids: list[int], target) -> None:
@@ -439,6 +444,6 @@ class DSparkModule(DFlashModule):
         target_logits = torch.zeros(*top.shape[:2], parts.lm_head_weight.shape[0], device=top.device)
         target_logits[counted] = parts.lm_head(top[counted]).float()
         loss = dspark_loss(logits, target_logits, self.to_draft_indices(blocks["labels"]), confidence, blocks["valid"],
-                           decay, ids=self.draft_ids)
+                           decay, weights={"ce": self.ce_weight}, ids=self.draft_ids)
         hits = (self.to_target_ids(logits.argmax(-1)) == blocks["labels"]) & blocks["valid"]  # [N, K]
         return loss.total, hits.sum(0).float().cpu(), blocks["valid"].sum(0).float().cpu()

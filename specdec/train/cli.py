@@ -240,9 +240,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     dspark.add_argument("--markov-rank", type=int, default=64, help="rank r of the sequential head's bias W2 W1[x_{k-1}]")
     dspark.add_argument("--sequential-head", choices=["markov", "rnn"], default="markov",
                         help="markov: bias from the previous token; rnn: a gated state over the drafted prefix")
+    dspark.add_argument("--ce-weight", type=float, default=0.1,
+                        help="weight of the cross-entropy on the target's top-1 in the loss (DeepSpec's recipe: 0.1, "
+                             "beside 0.9 x the L1 distance to the target's distribution and 1.0 x the confidence BCE)")
     dspark.set_defaults(train_func=run_heads_training, head_kind=lambda args: ("dspark", {
         "num_positions": args.block_size, "block_size": args.block_size, "num_draft_layers": args.draft_layers,
-        "mask_token_id": args.mask_token_id, "markov_rank": args.markov_rank, "sequential_head": args.sequential_head,
+        "mask_token_id": args.mask_token_id, "markov_rank": args.markov_rank, "sequential_head": args.sequential_head, "ce_weight": args.ce_weight,
         "input_layers": _fused_layers(args), "anchor_feature": args.anchor_feature}))
 
     evaluate = sub.add_parser("eval", help="a checkpoint's agreement with the target on the held-out part of training data")
