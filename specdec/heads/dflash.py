@@ -117,7 +117,7 @@ class DFlashModule(DraftHeads):
         self.block_size = block_size
         # specdec's variant (not in the published layouts): the anchor row also adds its newest context
         # state to its input, as EAGLE's rows do, instead of reaching it only through attention
-        # (docs/dspark.md, "The anchor feature")
+        # (docs/dspark.md, "Why it trails EAGLE-3 on a CPU budget")
         self.anchor_feature = bool(anchor_feature)
         # None: chosen from the target's embeddings by init_from_target (default_mask_token_id)
         self.mask_token_id = None if mask_token_id is None else check_int("mask_token_id", mask_token_id, 0,

@@ -5,7 +5,7 @@ wraps each exported sg_* function for torch tensors (shapes checked by the calle
 backends). Environment: SPECDEC_KERNEL_SPIN_US sets how long kernel threads spin-wait between
 calls (default 300); SPECDEC_KERNEL_AMX=0 keeps the int8-activation K-quant linears off AMX
 tiles (same bits, for A/Bs); SPECDEC_KERNEL_INTERLEAVE=0 builds no interleaved copy of the a8 K-quant
-weights (same bits; ~1.2 GB less on the 1.5B, slower verify rows).
+weights (same bits; ~1.1 GB less on the 1.5B, slower verify rows).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ ENV_SPIN_US = "SPECDEC_KERNEL_SPIN_US"
 ENV_AMX = "SPECDEC_KERNEL_AMX"
 ENV_INTERLEAVE = "SPECDEC_KERNEL_INTERLEAVE"
 DEFAULT_SPIN_US = 300  # > the gap between one layer's kernel calls (torch ops of a few rows)
+
 
 def _env_switch(name: str) -> bool:
     """An on/off environment switch, on unless set to 0 / off / false / no."""
