@@ -175,6 +175,45 @@ def test_total_variation_counts_the_target_mass_outside_the_draft_vocabulary():
         torch.minimum(q_full, p_full).sum().item(), rel=1e-6)
 
 
+def test_loss_from_the_draft_vocabulary_logits_and_a_precomputed_normaliser_equals_the_full_one():
+    """Training reads the target's logits at the draft vocabulary's ids only, with its logsumexp over
+    every id computed once per position beforehand: the same loss as from the whole vocabulary's
+    logits, and a wrong normaliser (the logsumexp over V' alone, dropping the mass outside) differs."""
+    torch.manual_seed(4)
+    n, k = 3, 4
+    ids = torch.tensor([9, 0, 4, 7, 2, 5])
+    target_logits = 2 * torch.randn(n, k, V)
+    draft = 2 * torch.randn(n, k, ids.numel())
+    labels, confidence = torch.randint(0, ids.numel(), (n, k)), torch.randn(n, k)
+    valid = torch.ones(n, k, dtype=torch.bool)
+    full = dspark_loss(draft, target_logits, labels, confidence, valid, ids=ids)
+    cheap = dspark_loss(draft, target_logits[..., ids], labels, confidence, valid, ids=ids,
+                        log_normaliser=torch.logsumexp(target_logits, dim=-1))
+    for name in ("total", "ce", "tv", "bce", "acceptance"):
+        assert_close_to_scale(getattr(cheap, name), getattr(full, name), rel=1e-5, what=name)
+    wrong = dspark_loss(draft, target_logits[..., ids], labels, confidence, valid, ids=ids,
+                        log_normaliser=torch.logsumexp(target_logits[..., ids], dim=-1))
+    assert abs(float(wrong.tv) - float(full.tv)) > 0.01
+
+
+def test_the_trainer_precomputes_the_targets_logsumexp_at_every_label_position(counter, dspark_data):
+    from specdec.train.batches import attach_target_log_normalisers, label_positions, make_batch
+
+    _, samples = load_samples(dspark_data, [counter.num_layers], counter)
+    parts = FrozenTargetParts.from_target(counter).to(dtype=torch.float32)
+    attach_target_log_normalisers(samples, parts, counter.num_layers, "cpu", bf16=False, progress=False, chunk_rows=7)
+    for sample in samples:
+        wanted = label_positions(sample)
+        assert wanted.any() and not wanted[: sample.num_prompt_tokens - 1].any()
+        assert torch.isfinite(sample.target_log_normaliser).equal(wanted)
+        reference = torch.logsumexp(parts.lm_head(sample.hidden[counter.num_layers].float()), dim=-1)  # [T]
+        assert_close_to_scale(sample.target_log_normaliser[wanted], reference[wanted], rel=1e-5, what="logsumexp")
+    batch = make_batch(samples[:2], counter.num_layers, 10_000, torch.Generator().manual_seed(0), "cpu")
+    assert batch.target_log_normaliser.shape == batch.tokens.shape
+    torch.testing.assert_close(batch.target_log_normaliser[0, : samples[0].tokens.shape[0]], samples[0].target_log_normaliser,
+                               equal_nan=True)
+
+
 def test_ece_of_known_bins():
     predicted = torch.tensor([0.05, 0.05, 0.95, 0.95])
     assert expected_calibration_error(predicted, torch.tensor([0.0, 0.0, 1.0, 1.0])) == pytest.approx(0.05)

@@ -202,12 +202,19 @@ def position_weights(block_size: int, decay: float | None, device=None) -> torch
     return torch.exp(-positions / decay)
 
 
-def target_on_vocabulary(target_logits: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def target_on_vocabulary(target_logits: torch.Tensor, ids: torch.Tensor | None,
+                         log_normaliser: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's distribution read on a draft vocabulary: (p over `ids` [..., V'], the target's mass
     outside them [...]); target_logits [..., V] over the whole vocabulary, ids [V'] (None = every id:
-    mass outside 0). No gradient: both are constants of the draft's parameters."""
+    mass outside 0). With `log_normaliser` [...] (the logsumexp of the target's logits over all V,
+    computed once per position beforehand: `target_log_normalisers`), target_logits are the logits
+    at `ids` only [..., V'], so a training step needs V' rows of the target's LM head, not V.
+    No gradient: both are constants of the draft's parameters."""
     with torch.no_grad():
         target_logits = target_logits.float()
+        if log_normaliser is not None:
+            probs = (target_logits - log_normaliser.float()[..., None]).exp()  # [..., V']
+            return probs, (1 - probs.sum(-1)).clamp(min=0.0)
         log_normaliser = torch.logsumexp(target_logits, dim=-1, keepdim=True)  # [..., 1] over all V
         if ids is None:
             return (target_logits - log_normaliser).exp(), target_logits.new_zeros(target_logits.shape[:-1])
@@ -242,7 +249,8 @@ class DSparkLoss:
 
 def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor,
                 confidence_logits: torch.Tensor, valid: torch.Tensor, decay: float | None = 4.0,
-                weights: dict[str, float] | None = None, ids: torch.Tensor | None = None) -> DSparkLoss:
+                weights: dict[str, float] | None = None, ids: torch.Tensor | None = None,
+                log_normaliser: torch.Tensor | None = None) -> DSparkLoss:
     """0.1 CE(label) + 0.9 ||q - p||_1 (= 1.8 TV(q, p)) + 1.0 BCE(c, 1 - TV), each a position-weighted mean
     over the valid rows.
 
@@ -250,7 +258,8 @@ def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels:
     their softmax and 0 outside; target_logits [N, K, V] over the whole vocabulary (the TV counts the
     target's mass outside V'); labels [N, K] as indices into V' (-100 = none, or not in V');
     confidence_logits [N, K]; valid [N, K] bool (a position counts only while every earlier one of
-    its block does). The result equals the same loss over the whole vocabulary with the draft
+    its block does). With `log_normaliser` [N, K] target_logits are [N, K, V'], the target's at `ids`
+    (`target_on_vocabulary`). The result equals the same loss over the whole vocabulary with the draft
     logits -inf outside V' (tests/test_dspark.py), at [N, K, V'] instead of [N, K, V] of draft work.
     """
     weights = {**LOSS_WEIGHTS, **(weights or {})}
@@ -259,7 +268,7 @@ def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels:
     ce = F.cross_entropy(draft_logits.float().flatten(0, 1), labels.flatten().clamp(min=0), reduction="none")
     ce = ce.view_as(mask) * (labels >= 0)
     q = F.softmax(draft_logits.float(), dim=-1)  # [N, K, V']
-    p, outside = target_on_vocabulary(target_logits, ids)  # [N, K, V'], [N, K]
+    p, outside = target_on_vocabulary(target_logits, ids, log_normaliser)  # [N, K, V'], [N, K]
     tv = total_variation(q, p, outside)  # [N, K]
     acceptance = (1 - tv).detach().clamp(0.0, 1.0)
     bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), acceptance, reduction="none")
@@ -327,6 +336,7 @@ class DSparkModule(DFlashModule):
     drafter = "dspark"
     prediction_offset = 0
     reads_target_distribution = True  # TV and the confidence target need the target's distribution
+    reads_target_log_normaliser = True  # ... on V', normalised over all V
 
     def __init__(self, target_config, block_size: int = DEFAULT_BLOCK_SIZE, num_draft_layers: int = DEFAULT_DRAFT_LAYERS,
                  mask_token_id: int | None = None, intermediate_size: int | None = None,
@@ -401,8 +411,10 @@ class DSparkModule(DFlashModule):
         index = (t[:, None] + k[None, :]).clamp(max=batch.tokens.shape[1] - 1)  # [N, K]: position t + k
         rows = b[:, None].expand_as(index)
         top = None if batch.top_hidden is None else batch.top_hidden[rows, index]
+        normaliser = None if batch.target_log_normaliser is None else batch.target_log_normaliser[rows, index]
         return {"hidden": features[:, b, t].transpose(0, 1), "previous": batch.tokens[rows, index],
-                "labels": batch.target_next[rows, index], "valid": valid[:, b, t].t().long().cumprod(-1).bool(), "top": top}
+                "labels": batch.target_next[rows, index], "valid": valid[:, b, t].t().long().cumprod(-1).bool(), "top": top,
+                "log_normaliser": normaliser}
 
     def block_logits(self, blocks: dict, parts) -> tuple[torch.Tensor, torch.Tensor]:
         """(exact draft logits [N, K, V'] over draft_ids with the sequential bias, confidence logits
@@ -437,13 +449,17 @@ class DSparkModule(DFlashModule):
         blocks = self.anchor_blocks(batch, features, anchors, valid)
         logits, confidence = self.block_logits(blocks, parts)
         decay = -1.0 / math.log(settings.head_decay) if 0 < settings.head_decay < 1 else None
-        top = blocks["top"]  # [N, K, H]: the target's own state, its logits over the whole vocabulary
-        # only where a position counts (the rest is masked out of every term): a teacher-forced block
-        # leaves the greedy path after a few positions, and this [rows, 151,936] head is most of a step
+        top, log_normaliser = blocks["top"], blocks["log_normaliser"]  # [N, K, H], [N, K]: the target's own state
+        if log_normaliser is None:
+            raise ValueError("dspark training needs the target's logsumexp per position (attach_target_log_normalisers)")
+        # the target's logits on V' only where a position counts (the rest is masked out of every term): a
+        # teacher-forced block leaves the greedy path after a few positions
         counted = blocks["valid"]  # [N, K]
-        target_logits = torch.zeros(*top.shape[:2], parts.lm_head_weight.shape[0], device=top.device)
-        target_logits[counted] = parts.lm_head(top[counted]).float()
+        vocab_parts = parts if self.draft_ids is None else parts.with_lm_rows(self.draft_ids)
+        target_logits = torch.zeros(*top.shape[:2], vocab_parts.lm_head_weight.shape[0], device=top.device)  # [N, K, V']
+        target_logits[counted] = vocab_parts.lm_head(top[counted]).float()
+        log_normaliser = torch.where(counted, log_normaliser, torch.zeros_like(log_normaliser))  # NaN where not counted
         loss = dspark_loss(logits, target_logits, self.to_draft_indices(blocks["labels"]), confidence, blocks["valid"],
-                           decay, weights={"ce": self.ce_weight}, ids=self.draft_ids)
+                           decay, weights={"ce": self.ce_weight}, ids=self.draft_ids, log_normaliser=log_normaliser)
         hits = (self.to_target_ids(logits.argmax(-1)) == blocks["labels"]) & blocks["valid"]  # [N, K]
         return loss.total, hits.sum(0).float().cpu(), blocks["valid"].sum(0).float().cpu()

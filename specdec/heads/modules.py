@@ -128,6 +128,9 @@ class DraftHeads(nn.Module):
     tokens_read_ahead: ClassVar[int] = 0
     # trained against the target's distribution (its LM head over the top-layer state), not only its top-1
     reads_target_distribution: ClassVar[bool] = False
+    # ... on a draft vocabulary, normalised over the whole one: the trainer precomputes the target's logsumexp per
+    # position (batch.target_log_normaliser) so a step runs the draft vocabulary's rows of the LM head only
+    reads_target_log_normaliser: ClassVar[bool] = False
     # drafts a block per anchor (DFlash): forward(..., anchors=[B, A]) computes only those positions' rows
     trains_on_anchors: ClassVar[bool] = False
     # forward(..., read_rows=[K, B, T] bool) computes only the rows the caller reads (the trainer's loss rows)

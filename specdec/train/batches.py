@@ -9,6 +9,7 @@ token at t + k + 1, lies in the row (`label_rows`). Block drafters draft from ra
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,8 @@ class Batch:
     # [B, T] bool: tokens that may be labels (Sample.supervised: a conversation's assistant replies); all valid tokens
     # for other samples. False for padding.
     supervised: torch.Tensor | None = None
+    # [B, T] float32: the target's logsumexp over the whole vocabulary at each position (Sample.target_log_normaliser)
+    target_log_normaliser: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.supervised is None:  # every valid token
@@ -83,6 +86,8 @@ def make_batch(samples: list[Sample], layers: int | tuple[int, ...], max_seq_len
     top_hidden = torch.zeros(len(rows), width, hidden_size) if top_layer is not None else None
     positions = torch.zeros(len(rows), width, dtype=torch.long)
     supervised = torch.zeros(len(rows), width, dtype=torch.bool)
+    with_normaliser = all(sample.target_log_normaliser is not None for sample in samples)
+    log_normaliser = torch.full((len(rows), width), math.nan) if with_normaliser else None
     for row, (sample, start, stop) in enumerate(rows):
         tokens[row, : stop - start] = sample.tokens[start:stop]
         supervised[row, : stop - start] = True if sample.supervised is None else sample.supervised[start:stop]
@@ -90,11 +95,65 @@ def make_batch(samples: list[Sample], layers: int | tuple[int, ...], max_seq_len
         hidden[row, : stop - start] = torch.cat([sample.hidden[layer][start:stop] for layer in layers], dim=-1).float()
         if top_hidden is not None:
             top_hidden[row, : stop - start] = sample.hidden[top_layer][start:stop].float()
+        if log_normaliser is not None:
+            log_normaliser[row, : stop - start] = sample.target_log_normaliser[start:stop]
         positions[row] = torch.arange(start, start + width)
     lengths = torch.tensor([stop - start for _, start, stop in rows])
     answer_start = torch.tensor([sample.num_prompt_tokens - start for sample, start, _ in rows])
     return Batch(tokens.to(device), hidden.to(device), positions.to(device), lengths.to(device), answer_start.to(device),
-                 target_next.to(device), None if top_hidden is None else top_hidden.to(device), supervised.to(device))
+                 target_next.to(device), None if top_hidden is None else top_hidden.to(device), supervised.to(device),
+                 None if log_normaliser is None else log_normaliser.to(device))
+
+
+def label_positions(sample: Sample, prompt_rows: bool = False) -> torch.Tensor:
+    """[T] bool: positions t whose next token t + 1 may be a label (`label_rows`' rule for one sample)."""
+    length = sample.tokens.shape[0]
+    after = torch.arange(1, length + 1) < length  # t + 1 is a token of the sample
+    if prompt_rows:
+        return after
+    after &= torch.arange(1, length + 1) >= sample.num_prompt_tokens
+    if sample.supervised is not None:
+        after[:-1] &= sample.supervised[1:]
+    return after
+
+
+@torch.no_grad()
+def attach_target_log_normalisers(samples: list[Sample], parts: FrozenTargetParts, top_layer: int, device,
+                                  bf16: bool, prompt_rows: bool = False, progress: bool = True,
+                                  chunk_rows: int = 1024) -> None:
+    """Sets each sample's `target_log_normaliser` [T]: the logsumexp over the whole vocabulary of the
+    target's logits at every position whose next token may be a label (NaN elsewhere), from its stored
+    top layer through `parts`' LM head under the training's autocast, as a step would compute it.
+    Once per run, so a step needs the draft vocabulary's rows of the head only (DSpark's loss: the
+    target's probabilities on V' and its mass outside; on the 1.5B the whole head was most of a step)."""
+    from tqdm.auto import tqdm
+
+    wanted = [label_positions(sample, prompt_rows) for sample in samples]
+    for sample, rows in zip(samples, wanted):
+        sample.target_log_normaliser = torch.full(rows.shape, math.nan)
+    pending: list[tuple[Sample, torch.Tensor]] = []  # (sample, its positions) of the next chunk
+
+    def flush() -> None:
+        states = torch.cat([sample.hidden[top_layer][index] for sample, index in pending]).to(device).float()  # [n, H]
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+            log_normaliser = torch.logsumexp(parts.lm_head(states).float(), dim=-1).cpu()  # [n]
+        for (sample, index), values in zip(pending, log_normaliser.split([index.numel() for _, index in pending])):
+            sample.target_log_normaliser[index] = values
+        pending.clear()
+        bar.update(states.shape[0])
+
+    bar = tqdm(total=int(sum(rows.sum() for rows in wanted)), desc="target logsumexp", unit="pos", disable=not progress)
+    queued = 0
+    for sample, rows in zip(samples, wanted):
+        for index in rows.nonzero().squeeze(1).split(chunk_rows):
+            pending.append((sample, index))
+            queued += index.numel()
+            if queued >= chunk_rows:
+                flush()
+                queued = 0
+    if pending:
+        flush()
+    bar.close()
 
 
 def label_rows(batch: Batch, num_positions: int, prompt_rows: bool = False,

@@ -234,6 +234,9 @@ class Sample:
     source: str = ""  # the prompt's source (prompts.jsonl; "corpus" for teacher-forced text): per-source eval
     supervised: torch.Tensor | None = None  # [T] bool: tokens that may be labels (assistant replies); None = the answer
     held_out: bool | None = None  # the sample's side of a split fixed by its source (ShareGPT); None = the trainer's
+    # [T] float32: logsumexp of the target's logits over the whole vocabulary at each position (NaN where no label
+    # reads it); set by the trainer for drafters whose loss reads the target's distribution on a draft vocabulary
+    target_log_normaliser: torch.Tensor | None = None
 
     def supervised_positions(self) -> int:
         """Label positions the loss may use: the answer's tokens, or the assistant tokens after the first one."""

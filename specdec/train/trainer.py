@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from ..checks import check_int, check_positive_int
 from ..files import open_output_dir
 from ..heads import DraftHeads, FrozenTargetParts, save_checkpoint
-from .batches import Batch, SampledVocab, chain_starts, label_rows, make_batch, pick_anchors
+from .batches import Batch, SampledVocab, attach_target_log_normalisers, chain_starts, label_rows, make_batch, pick_anchors
 from .data import Sample
 from .heap import release_freed_memory
 
@@ -405,7 +405,7 @@ def train(
     settings.validate()
     # 1. the frozen target's parts, the heads on the device, the held-out split, the draft vocabulary, the optimizer
     out_dir = open_output_dir(out_dir, "checkpoint")  # never among files specdec did not write
-    run = _TrainingRun(heads, target, samples, out_dir, settings, target_info, extra_config)
+    run = _TrainingRun(heads, target, samples, out_dir, settings, target_info, extra_config, progress)
     # 2. resume: the heads, optimizer, step, time and history an earlier run saved
     if resume:
         run.resume(log)
@@ -435,7 +435,7 @@ class _TrainingRun:
     what it saves (step, time trained, history)."""
 
     def __init__(self, heads: DraftHeads, target, samples: list[Sample], out_dir: Path, settings: TrainSettings,
-                 target_info: dict, extra_config: dict | None):
+                 target_info: dict, extra_config: dict | None, progress: bool = True):
         self.heads, self.target, self.settings = heads, target, settings
         self.out_dir, self.target_info, self.extra_config = out_dir, target_info, extra_config or {}
         self.device = torch.device(settings.device)
@@ -447,6 +447,9 @@ class _TrainingRun:
         self.parts = parts
         heads.to(device=self.device, dtype=torch.float32).train()
         self.train_samples, self.eval_samples = split_samples(samples, settings.eval_fraction)
+        if heads.reads_target_log_normaliser:  # once per run instead of the whole LM head in every step
+            attach_target_log_normalisers(self.train_samples, parts, target.num_layers, self.device,
+                                          settings.dtype == "bf16", settings.prompt_rows, progress)
         # the draft vocabulary (EAGLE-3's LM head, DSpark's loss vocabulary), before the optimizer; on
         # resume the loaded state then overwrites what the module stores of it (DSpark stores nothing)
         heads.fit_vocabulary(rank_label_tokens(self.train_samples)[0], target)
