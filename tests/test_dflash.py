@@ -21,7 +21,7 @@ from specdec import SamplingParams, generate
 from specdec.api import generate_batch
 from specdec.drafters.dflash import DFlashDrafter
 from specdec.heads import FrozenTargetParts, dflash_hidden_layers, dflash_target_layer_ids, target_description
-from specdec.heads.dflash import ContextKeys
+from specdec.heads.dflash import ANCHOR_FEATURE_LAYOUT, ContextKeys, DFlashModule
 from specdec.heads.export import export_dflash, load_dflash_export
 from specdec.train import TrainSettings, build_heads, load_samples, train
 
@@ -122,8 +122,10 @@ def test_training_forward_is_the_drafting_computation(smollm2, anchor_feature):
     untouched = torch.ones(length, dtype=torch.bool)
     untouched[anchors[0]] = False
     assert features[:, 0, untouched].abs().max() == 0  # only anchor rows are computed
-    module.anchor_feature = not anchor_feature  # the switch really changes what the rows compute
-    other = module(hidden, tokens, positions, parts, anchors=anchors)
+    # the switch really changes what the rows compute: the same weights (anchor_norm at its init or dropped)
+    flipped = build_heads("dflash", smollm2, 7, block_size=8, anchor_feature=not anchor_feature)
+    flipped.load_state_dict(module.state_dict(), strict=False)
+    other = flipped(hidden, tokens, positions, parts, anchors=anchors)
     assert (other[:, 0, 3] - features[:, 0, 3]).abs().max() > 1e-3 * features[:, 0, 3].abs().max()
 
 
@@ -136,7 +138,8 @@ def test_the_anchor_feature_variant_trains_drafts_losslessly_and_does_not_export
     assert main(["train", "dflash", "--model", str(counter.model_dir), "--data", str(dflash_data), "--block-size", "4",
                  "--draft-layers", "1", "--steps", "3", "--batch-size", "2", "--no-progress", "--anchor-feature",
                  "--out", str(ckpt)]) == 0
-    assert json.loads((ckpt / "config.json").read_text())["head"]["anchor_feature"] is True
+    head = json.loads((ckpt / "config.json").read_text())["head"]
+    assert head["anchor_feature"] == ANCHOR_FEATURE_LAYOUT
     drafter = DFlashDrafter(counter, checkpoint=str(ckpt))
     assert drafter.heads.anchor_feature
     prompt = [5, 6, 7, 8]
@@ -144,6 +147,27 @@ def test_the_anchor_feature_variant_trains_drafts_losslessly_and_does_not_export
     capsys.readouterr()
     assert main(["export", str(ckpt), str(export)]) != 0
     assert "--anchor-feature" in capsys.readouterr().err and not export.exists()
+    # a checkpoint of the retired layout (raw embedding + state) has no anchor_norm: it does not load
+    weights = load_file(ckpt / "model.safetensors")
+    assert "anchor_norm.weight" in weights
+    del weights["anchor_norm.weight"]
+    module = DFlashModule.from_config({**head, "anchor_feature": True}, counter.config)
+    with pytest.raises(RuntimeError, match="anchor_norm.weight"):
+        module.load_state_dict(weights)
+
+
+def test_the_anchor_rows_embedding_reaches_it_at_the_states_scale(smollm2):
+    """The anchor-feature input is anchor_norm(embedding) + state: at init both at RMS ~1, so changing the
+    anchor token moves the row's input by as much as the state does (the raw embedding, RMS ~0.02 on
+    real models, was drowned by the state)."""
+    module = build_heads("dflash", smollm2, 7, block_size=8, anchor_feature=True)
+    parts = FrozenTargetParts.from_target(smollm2).to(dtype=torch.float32)
+    state = torch.randn(1, 1, module.fc.weight.shape[0])
+    state = module.hidden_norm(state)  # a context state as the module makes them: RMS 1
+    captured = [module.block_input(module.block_tokens(torch.tensor([token])), parts, state)[:, 0]
+                for token in (260, 1400)]  # [1, H]: the anchor row of a one-block batch
+    moved = (captured[0] - captured[1]).pow(2).mean().sqrt()
+    assert moved > 0.5 * state.pow(2).mean().sqrt(), float(moved)
 
 
 def test_training_lowers_held_out_loss_and_drafts_whole_blocks(trained):

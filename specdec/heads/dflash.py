@@ -37,6 +37,10 @@ from .modules import DraftHeads, TargetRope, register_head_type
 from .target_parts import FrozenTargetParts, dense_state_dict
 
 DEFAULT_BLOCK_SIZE = 8
+# the anchor-feature variant's input layout as checkpoints name it: the anchor row's embedding through its own
+# RMSNorm plus the newest context state. The first layout (the raw embedding plus the state, `true` in
+# checkpoints) is retired: the state (RMS ~1) drowned the embedding (RMS ~0.017 on Qwen2.5).
+ANCHOR_FEATURE_LAYOUT = "normed-embedding"
 DEFAULT_DRAFT_LAYERS = 3
 _DRAFT_CONFIG_KEYS = (  # what a checkpoint stores to rebuild the module without its target (export)
     "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -98,6 +102,16 @@ class ContextKeys:
         return torch.cat([context_keys, keys], dim=2), torch.cat([context_values, values], dim=2)
 
 
+def anchor_feature_of(config: dict) -> bool:
+    """Whether a head config (build_heads' options: a bool; a checkpoint's: the layout's name) uses the
+    anchor-feature variant. A checkpoint of the retired layout (`true`) has no anchor_norm weights, so
+    loading it fails on the missing `anchor_norm.weight` instead of drafting with other rows."""
+    layout = config.get("anchor_feature", False)
+    if layout not in (False, True, None, ANCHOR_FEATURE_LAYOUT):
+        raise ValueError(f"unknown anchor_feature layout {layout!r} (this specdec knows {ANCHOR_FEATURE_LAYOUT!r})")
+    return bool(layout)
+
+
 @register_head_type
 class DFlashModule(DraftHeads):
     """fc + hidden_norm over fused target layers, `num_draft_layers` Qwen3 blocks over the block, norm."""
@@ -134,6 +148,8 @@ class DFlashModule(DraftHeads):
         self.layers = nn.ModuleList(Block(self.config, qk_norm=True, qkv_bias=False) for _ in range(num_draft_layers))
         self.norm = RMSNorm(hidden_size, target_config.rms_norm_eps)
         self.rope = TargetRope(self.config)
+        # the anchor row's embedding at the scale of the state it is added to (anchor_feature only)
+        self.anchor_norm = RMSNorm(hidden_size, target_config.rms_norm_eps) if self.anchor_feature else None
 
     @classmethod
     def from_config(cls, config: dict, target_config) -> DFlashModule:
@@ -147,7 +163,7 @@ class DFlashModule(DraftHeads):
         input_layers = config.get("input_layers")
         return cls(target_config, block_size, config.get("num_draft_layers", DEFAULT_DRAFT_LAYERS),
                    config.get("mask_token_id"), config.get("intermediate_size"),
-                   tuple(input_layers) if input_layers else None, config.get("anchor_feature", False))
+                   tuple(input_layers) if input_layers else None, anchor_feature_of(config))
 
     @property
     def input_layers(self) -> tuple[int, ...]:
@@ -162,7 +178,7 @@ class DFlashModule(DraftHeads):
         return {**super().head_config(), "block_size": self.block_size, "num_draft_layers": len(self.layers),
                 "mask_token_id": self.mask_token_id, "input_layers": list(self.fused_layers),
                 # only when set: checkpoints written before the option existed still resume
-                **({"anchor_feature": True} if self.anchor_feature else {}),
+                **({"anchor_feature": ANCHOR_FEATURE_LAYOUT} if self.anchor_feature else {}),
                 "intermediate_size": self.config.intermediate_size, "target_num_layers": self.target_num_layers,
                 "draft_config": {key: value for key, value in self.config.to_dict().items() if key in _DRAFT_CONFIG_KEYS}}
 
@@ -212,15 +228,23 @@ class DFlashModule(DraftHeads):
         them, the caller truncates) or a ContextKeys (training). `mask` [B or 1, 1, N, S + N]
         (True = may attend); None = every key (one block over its whole context). `anchor_states`
         [B, A, H]: with anchor_feature, each block's newest context state, added to its anchor row."""
-        x = parts.embed(block_tokens).to(self.fc.weight.dtype)  # [B, N, H]: the target's frozen embeddings
-        if self.anchor_feature:
-            batch, rows, hidden = x.shape
-            blocks = x.view(batch, rows // self.block_size, self.block_size, hidden)  # [B, A, size, H]
-            x = torch.cat([blocks[:, :, :1] + anchor_states[:, :, None].to(x.dtype), blocks[:, :, 1:]], dim=2).view_as(x)
+        x = self.block_input(block_tokens, parts, anchor_states)  # [B, N, H]
         cos, sin = self.rope(block_positions, x.dtype)
         for slot, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, slot, mask)
         return self.norm(x)
+
+    def block_input(self, block_tokens: torch.Tensor, parts: FrozenTargetParts,
+                    anchor_states: torch.Tensor | None = None) -> torch.Tensor:
+        """Block rows [B, N] -> the first layer's input [B, N, H]: the target's frozen embeddings; with
+        anchor_feature each anchor row is anchor_norm(its embedding) + its newest context state [B, A, H]."""
+        x = parts.embed(block_tokens).to(self.fc.weight.dtype)  # [B, N, H]
+        if not self.anchor_feature:
+            return x
+        batch, rows, hidden = x.shape
+        blocks = x.view(batch, rows // self.block_size, self.block_size, hidden)  # [B, A, size, H]
+        anchor_rows = self.anchor_norm(blocks[:, :, :1]) + anchor_states[:, :, None].to(x.dtype)  # [B, A, 1, H]
+        return torch.cat([anchor_rows, blocks[:, :, 1:]], dim=2).view_as(x)
 
     def block_tokens(self, anchor_ids: torch.Tensor) -> torch.Tensor:
         """anchor ids [...] -> [..., block_size]: the anchor, then MASK."""
