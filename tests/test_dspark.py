@@ -214,6 +214,24 @@ def test_the_trainer_precomputes_the_targets_logsumexp_at_every_label_position(c
                                equal_nan=True)
 
 
+def test_feature_weight_adds_the_rows_regression_to_the_targets_states(counter, dspark_data):
+    """--feature-weight (EAGLE-1's regression) reaches DSpark's own loss: it adds w x a positive term, linear in w."""
+    from specdec.train.batches import attach_target_log_normalisers, make_batch
+    from specdec.train.trainer import heads_loss
+
+    heads = build_heads("dspark", counter, BLOCK, block_size=BLOCK, num_draft_layers=1, markov_rank=8)
+    _, samples = load_samples(dspark_data, sorted({*heads.input_layers, counter.num_layers}), counter)
+    parts = FrozenTargetParts.from_target(counter).to(dtype=torch.float32)
+    heads.fit_vocabulary(list(range(counter.vocab_size)), counter)
+    attach_target_log_normalisers(samples[:2], parts, counter.num_layers, "cpu", bf16=False, progress=False)
+    batch = make_batch(samples[:2], heads.input_layers, 10_000, torch.Generator().manual_seed(0), "cpu",
+                       top_layer=counter.num_layers)
+    losses = [heads_loss(heads, batch, parts, _settings(feature_weight=weight), torch.Generator().manual_seed(1))[0].item()
+              for weight in (0.0, 1.0, 2.0)]
+    assert losses[1] - losses[0] > 1e-4
+    assert losses[2] - losses[0] == pytest.approx(2 * (losses[1] - losses[0]), rel=1e-4)
+
+
 def test_ece_of_known_bins():
     predicted = torch.tensor([0.05, 0.05, 0.95, 0.95])
     assert expected_calibration_error(predicted, torch.tensor([0.0, 0.0, 1.0, 1.0])) == pytest.approx(0.05)

@@ -207,7 +207,7 @@ def target_on_vocabulary(target_logits: torch.Tensor, ids: torch.Tensor | None,
     """The target's distribution read on a draft vocabulary: (p over `ids` [..., V'], the target's mass
     outside them [...]); target_logits [..., V] over the whole vocabulary, ids [V'] (None = every id:
     mass outside 0). With `log_normaliser` [...] (the logsumexp of the target's logits over all V,
-    computed once per position beforehand: `target_log_normalisers`), target_logits are the logits
+    computed once per position beforehand: `attach_target_log_normalisers`), target_logits are the logits
     at `ids` only [..., V'], so a training step needs V' rows of the target's LM head, not V.
     No gradient: both are constants of the draft's parameters."""
     with torch.no_grad():
@@ -441,7 +441,8 @@ class DSparkModule(DFlashModule):
         return logits[which, rows[:, 0]]
 
     def training_loss(self, batch, features, rows, parts, settings, generator):
-        """0.1 CE + 0.9 L1 (1.8 TV) + 1.0 BCE over whole blocks at this step's anchors (at most loss_rows / K of them)."""
+        """0.1 CE + 0.9 L1 (1.8 TV) + 1.0 BCE over whole blocks at this step's anchors (at most loss_rows / K of them),
+        + feature_weight x the smooth L1 from each row's state to the target's top-layer state at its label."""
         valid, anchors = self.valid_blocks(batch, rows)
         limit = max(1, settings.loss_rows // self.num_positions)
         if anchors.shape[0] > limit:
@@ -458,8 +459,14 @@ class DSparkModule(DFlashModule):
         vocab_parts = parts if self.draft_ids is None else parts.with_lm_rows(self.draft_ids)
         target_logits = torch.zeros(*top.shape[:2], vocab_parts.lm_head_weight.shape[0], device=top.device)  # [N, K, V']
         target_logits[counted] = vocab_parts.lm_head(top[counted]).float()
-        log_normaliser = torch.where(counted, log_normaliser, torch.zeros_like(log_normaliser))  # NaN where not counted
+        # NaN at positions no label reads (masked out of every term, but NaN * 0 is NaN)
+        log_normaliser = torch.where(counted, log_normaliser, torch.zeros_like(log_normaliser))
         loss = dspark_loss(logits, target_logits, self.to_draft_indices(blocks["labels"]), confidence, blocks["valid"],
                            decay, weights={"ce": self.ce_weight}, ids=self.draft_ids, log_normaliser=log_normaliser)
+        total = loss.total
+        if settings.feature_weight > 0:  # EAGLE-1's regression: each row's state toward the target's own at its label
+            mask = blocks["valid"].float() * position_weights(self.num_positions, decay, top.device)  # [N, K]
+            regression = F.smooth_l1_loss(blocks["hidden"].float(), top.float(), reduction="none").mean(-1)  # [N, K]
+            total = total + settings.feature_weight * (regression * mask).sum() / mask.sum().clamp(min=1e-6)
         hits = (self.to_target_ids(logits.argmax(-1)) == blocks["labels"]) & blocks["valid"]  # [N, K]
-        return loss.total, hits.sum(0).float().cpu(), blocks["valid"].sum(0).float().cpu()
+        return total, hits.sum(0).float().cpu(), blocks["valid"].sum(0).float().cpu()

@@ -125,7 +125,7 @@ def attach_target_log_normalisers(samples: list[Sample], parts: FrozenTargetPart
     target's logits at every position whose next token may be a label (NaN elsewhere), from its stored
     top layer through `parts`' LM head under the training's autocast, as a step would compute it.
     Once per run, so a step needs the draft vocabulary's rows of the head only (DSpark's loss: the
-    target's probabilities on V' and its mass outside; on the 1.5B the whole head was most of a step)."""
+    target's probabilities on V' and its mass outside; on the 1.5B the whole head was ~28 % of a step)."""
     from tqdm.auto import tqdm
 
     wanted = [label_positions(sample, prompt_rows) for sample in samples]
