@@ -2,7 +2,7 @@
 q (backbone logits + the sequential head's bias), the backbone's logits alone, and the bias alone
 (the sequential head given the teacher-forced previous token: a bigram for a Markov head).
 
-    python scripts/dspark_parts.py --checkpoint OUT --data DATA [--model qwen2.5-coder-1.5b --weights gguf-a8]
+    python scripts/dspark_parts.py --checkpoint OUT --data DATA [--model qwen2.5-coder-1.5b]
 
 Blocks at up to --blocks random answer positions per held-out conversation (the trainer's split),
 rows counted while the text before them stays on the target's greedy path (as the trainer's numbers).
@@ -22,14 +22,14 @@ from specdec.train.batches import label_rows, make_batch
 from specdec.train.trainer import TrainSettings, split_samples
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, help="a `specdec train dspark` checkpoint")
     parser.add_argument("--data", required=True, help="the data it was trained on (its held-out split is read)")
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--weights", default="gguf-a8")
+    parser.add_argument("--weights", default=None, help="the target's weights (default: the model's own default)")
     parser.add_argument("--blocks", type=int, default=64, help="blocks per held-out conversation")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     target = load_target(args.model, weights=args.weights, progress=False)
     module, config = load_checkpoint(args.checkpoint, target, drafter="dspark")

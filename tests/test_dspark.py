@@ -615,3 +615,19 @@ def test_dspark_cli_end_to_end(counter, tmp_path, capsys):
     assert main(["generate", "!#%'", "--model", model_dir, "--max-new-tokens", "12", "--temperature", "0"]) == 0
     outputs = capsys.readouterr().out.strip().splitlines()
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_the_parts_script_reads_each_part_of_q(counter, dspark_data, trained, capsys):
+    """scripts/dspark_parts.py: top-1 per position of the exact q, the backbone and the sequential bias."""
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "dspark_parts.py"
+    main = runpy.run_path(str(script))["main"]
+    main(["--checkpoint", str(trained[0]), "--data", str(dspark_data), "--model", str(counter.model_dir)])
+    lines = {line.split("  ")[1].strip(): [float(x) for x in line.split()[-BLOCK:]]
+             for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert set(lines) == {"exact q", "backbone", "sequential bias"}
+    assert lines["exact q"][0] > 0.8  # the counter's blocks are learnt (test_training_learns_blocks...)
+    assert all(0.0 <= rate <= 1.0 for rates in lines.values() for rate in rates)
+
