@@ -1,8 +1,9 @@
-"""The a8 K-quant weights interleaved 16 (AVX-512 VNNI) or 8 (256-bit builds) output columns wide
-(csrc/a8_interleaved.cpp): bitwise the raw-block a8 kernel of the same build for every row count
-(1-2 rows walk two column groups at once, then tiles of up to 8 / 4 rows, more rows in blocks), odd N
-(a partial last group), bias, 1 or 2 threads and the largest integer sums; and GGUFLinear in int8
-mode runs Q4_K / Q6_K on the copy."""
+"""The a8 weights interleaved 16 (AVX-512 VNNI) or 8 (256-bit builds) output columns wide
+(csrc/a8_interleaved.cpp), K-quants and 32-weight formats: bitwise the raw-block a8 kernel of the
+same build for every row count (K-quants: 1-2 rows walk two column groups at once, then tiles of up
+to 8 / 4 rows, more rows in blocks; 32-weight formats: row pairs), odd N (a partial last group), bias,
+1 or 2 threads, K not a multiple of 256 and the largest integer sums; and GGUFLinear in int8 mode
+runs those formats on the copy."""
 
 import pytest
 import torch
@@ -11,7 +12,18 @@ from test_quant_kernel import random_blocks
 
 from specdec.kernels.gguf_linear import INTERLEAVED_ROWS_OVER_AMX, KERNEL_TYPES, GGUFLinear
 
-INTERLEAVED_TYPES = ["Q4_K", "Q6_K"]
+K_QUANTS = ["Q4_K", "Q6_K"]
+BLOCK32_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0"]  # Qwen2.5-Coder-0.5B (Q5_0, Q8_0), SmolLM2-135M (Q4_1, Q8_0)
+INTERLEAVED_TYPES = K_QUANTS + BLOCK32_TYPES
+
+
+def has_copy(library, name: str) -> bool:
+    """Whether this build interleaves `name` (the plain AVX2 build keeps Q8_0 on its raw blocks: its
+    byte products would overflow int16 on Q8_0's unsigned quants)."""
+    if library.interleaved_bytes(KERNEL_TYPES[name], 16, 256):
+        return True
+    assert name == "Q8_0" and library.isa == "avx2", f"{name} has no interleaved copy on {library.isa}"
+    return False
 
 
 @pytest.fixture(scope="module", params=["avx512", "avx2-vnni", "avx2"])
@@ -36,7 +48,10 @@ def interleaved(library, blocks: torch.Tensor, qtype: int, in_features: int) -> 
 
 @pytest.mark.parametrize("name", INTERLEAVED_TYPES)
 def test_the_interleaved_copy_is_bitwise_the_raw_blocks(library, name):
-    qtype, in_features = KERNEL_TYPES[name], 5 * 256
+    if not has_copy(library, name):
+        pytest.skip(f"no {name} copy on {library.isa}")
+    qtype = KERNEL_TYPES[name]
+    in_features = 5 * 256 if name in K_QUANTS else 28 * 32  # the 0.5B's 896: no multiple of 256
     for out_features in (45, 1029):  # a partial last group; enough groups to split across threads
         blocks = random_blocks(name, out_features, in_features, seed=41)
         packed = interleaved(library, blocks, qtype, in_features)
@@ -51,7 +66,7 @@ def test_the_interleaved_copy_is_bitwise_the_raw_blocks(library, name):
                     assert torch.equal(got, expected), f"N {out_features}, {rows} rows, {threads} threads, bias {b is not None}"
 
 
-@pytest.mark.parametrize("name", INTERLEAVED_TYPES)
+@pytest.mark.parametrize("name", K_QUANTS)
 def test_the_interleaved_copy_holds_the_largest_integer_sums(library, name):
     """Every quant and sub-block scale at its largest magnitude, activations at +-amax: the int16
     product pairs (Q4_K: a sub-block's 16 products per lane; Q6_K: 4 of up to 63 x 127), the scale
@@ -68,14 +83,39 @@ def test_the_interleaved_copy_holds_the_largest_integer_sums(library, name):
         assert torch.equal(got, expected), f"{num_rows} rows"
 
 
-def test_gguf_linear_runs_int8_k_quants_on_the_copy(library):
-    """int8 Q4_K / Q6_K layers hold the copy and give the raw blocks' bits through it (also past
+@pytest.mark.parametrize("name", [name for name in BLOCK32_TYPES if name != "Q4_1"])
+def test_the_32_weight_copy_holds_the_largest_lane_sums(library, name):
+    """Every quant at an end of its range (q = -offset or its largest) against activations at
+    +-amax: each lane's 4 products and its start (-offset x the 4 activations) are at their largest
+    magnitude, and the raw blocks' bits hold (Q8_0 also at q = -128, u = 0)."""
+    if not has_copy(library, name):
+        pytest.skip(f"no {name} copy on {library.isa}")
+    qtype, rows, in_features = KERNEL_TYPES[name], 19, 3 * 32
+    blocks = random_blocks(name, rows, in_features, seed=33).view(rows, in_features // 32, -1).clone()
+    quants = slice(2, None)  # after d: Q4_0 nibbles, Q5_0 qh then nibbles, Q8_0 int8
+    blocks[0::2, :, quants] = 0x00  # q = -8, -16 (qh = 0), -128
+    blocks[1::2, :, quants] = 0xFF if name != "Q8_0" else 0x7F  # q = 7, 15, 127
+    blocks = blocks.view(rows, -1)
+    packed = interleaved(library, blocks, qtype, in_features)
+    signs = torch.where(torch.rand(9, in_features, generator=torch.Generator().manual_seed(6)) < 0.5, -1.0, 1.0)
+    signs[0], signs[1] = 1.0, -1.0
+    x = 1.5 * signs  # [9, K]
+    for num_rows in (1, 2, 3, 9):
+        expected = library.linear_gguf_a8(x[:num_rows], blocks, qtype, None, 2)
+        got = library.linear_interleaved_a8(x[:num_rows], packed, rows, qtype, None, 2)
+        assert torch.equal(got, expected), f"{num_rows} rows"
+
+
+def test_gguf_linear_runs_int8_layers_on_the_copy(library):
+    """int8 layers of the copy's formats hold it and give the raw blocks' bits through it (also past
     INTERLEAVED_ROWS_OVER_AMX rows); the exact mode and the other formats have none."""
     from specdec.kernels import CppSkinnyLinear
 
     backend = CppSkinnyLinear(isa=library.isa)
     in_features = 2 * 256
     for name in INTERLEAVED_TYPES:
+        if not has_copy(library, name):
+            continue
         qtype = KERNEL_TYPES[name]
         blocks = random_blocks(name, 33, in_features, seed=43)
         layer = GGUFLinear(blocks, qtype, in_features, None, backend, activations="int8")
@@ -83,9 +123,14 @@ def test_gguf_linear_runs_int8_k_quants_on_the_copy(library):
         x = torch.randn(INTERLEAVED_ROWS_OVER_AMX + 3, in_features)
         assert torch.equal(layer(x), library.linear_gguf_a8(x, blocks, qtype, None, 2))
         assert GGUFLinear(blocks, qtype, in_features, None, backend).interleaved_weight is None  # fp32 activations
-    q8 = random_blocks("Q8_0", 33, in_features, seed=44)
-    assert GGUFLinear(q8, KERNEL_TYPES["Q8_0"], in_features, None, backend, activations="int8").interleaved_weight is None
+    q5k = random_blocks("Q5_K", 33, in_features, seed=44)
+    assert GGUFLinear(q5k, KERNEL_TYPES["Q5_K"], in_features, None, backend, activations="int8").interleaved_weight is None
     assert library.interleaved_bytes(KERNEL_TYPES["Q4_K"], 33, 288) == 0  # K not a multiple of 256
+    assert library.interleaved_bytes(KERNEL_TYPES["Q4_0"], 33, 288) > 0  # 9 blocks of 32
+    # the 32-weight formats run on the copy from 8 rows, the K-quants from 2 or 3; no copy, no rows
+    assert library.interleaved_min_rows(KERNEL_TYPES["Q5_0"]) == 8
+    assert library.interleaved_min_rows(KERNEL_TYPES["Q4_K"]) in (2, 3)
+    assert library.interleaved_min_rows(KERNEL_TYPES["Q5_K"]) == 0
     assert library.interleaved_cols in (8, 16)
 
 

@@ -39,6 +39,7 @@ ACTIVATIONS = ("fp32", "int8")  # GGUFLinear's activation modes: exact fp32, or 
 # gguf-a8, 2 threads, copy vs AMX: 177 vs 198 ms at 24 rows, 231 vs 216 at 32; docs/performance.md). The fewest:
 # the library's interleaved_min_rows (fewer rows stream the raw blocks as fast or faster).
 INTERLEAVED_ROWS_OVER_AMX = 24
+AMX_TYPES = frozenset({12, 13, 14})  # the formats with AMX tiles (csrc/amx.cpp): Q4_K, Q5_K, Q6_K
 
 
 def type_name(ggml_type: int) -> str:
@@ -127,11 +128,16 @@ class GGUFLinear(nn.Module):
         self.in_features = in_features
         self.out_features = blocks.shape[0]
         self.activations = activations
-        # int8 mode, Q4_K / Q6_K: the blocks interleaved 16 (AVX-512 VNNI) or 8 output columns wide
-        # (csrc/a8_interleaved.cpp), the same bits at 2-4x fewer instructions per verify row. A second
+        # int8 mode, Q4_K / Q6_K and the 32-weight formats: the blocks interleaved 16 (AVX-512 VNNI) or
+        # 8 output columns wide (csrc/a8_interleaved.cpp), the same bits at fewer instructions per verify
+        # row (K-quants) or without the raw tiles' decode (32-weight formats, from 8 rows). A second
         # copy of the bytes: `weight` stays the file's blocks (tying, lookups, fp32_weight, exports,
-        # and AMX tiles past INTERLEAVED_ROWS_OVER_AMX rows read them).
+        # fewer rows, and AMX tiles past INTERLEAVED_ROWS_OVER_AMX rows read them).
         self.interleaved_weight = self._interleaved() if activations == "int8" else None
+        # (fewest rows on the copy, most rows on it where AMX tiles run this format, or None)
+        self._copy_rows = None if self.interleaved_weight is None else (
+            self.backend.library.interleaved_min_rows(self.ggml_type),
+            INTERLEAVED_ROWS_OVER_AMX if self.ggml_type in AMX_TYPES else None)
 
     def _interleaved(self) -> torch.Tensor | None:
         library = self.backend.library
@@ -152,9 +158,11 @@ class GGUFLinear(nn.Module):
             if not x.is_contiguous():
                 x = x.contiguous()
             library = self.backend.library
-            packed, rows = self.interleaved_weight, x.numel() // self.in_features
-            if packed is not None and rows >= library.interleaved_min_rows and (rows <= INTERLEAVED_ROWS_OVER_AMX or not library.amx):
-                return library.linear_interleaved_a8(x, packed, self.out_features, self.ggml_type, bias, library.threads())
+            if self.interleaved_weight is not None and self.activations == "int8":  # (scripts may switch modes)
+                rows, (fewest, most_over_amx) = x.numel() // self.in_features, self._copy_rows
+                if rows >= fewest and (most_over_amx is None or rows <= most_over_amx or not library.amx):
+                    return library.linear_interleaved_a8(x, self.interleaved_weight, self.out_features, self.ggml_type,
+                                                         bias, library.threads())
             kernel = library.linear_gguf_a8 if self.activations == "int8" else library.linear_gguf
             return kernel(x, self.weight, self.ggml_type, bias, library.threads())
         # other dtypes, autograd, empty or mis-shaped input: F.linear on a temporary dense copy

@@ -56,7 +56,7 @@ SIGNATURES = {
     "sg_linear_gguf": (_int, _GGUF_LINEAR),
     "sg_linear_gguf_a8": (_int, _GGUF_LINEAR),
     "sg_interleaved_cols": (_int, ()),
-    "sg_interleaved_min_rows": (_int, ()),
+    "sg_interleaved_min_rows": (_int, (_int,)),  # ggml type
     "sg_interleaved_bytes": (_i64, (_int, _i64, _i64)),  # ggml type, N, K
     "sg_interleave": (_int, (_int, _ptr, _i64, _i64, _ptr, _int)),  # ggml type, blocks, N, K, out, threads
     "sg_linear_interleaved_a8": (_int, _GGUF_LINEAR),  # the interleaved copy in place of the blocks
@@ -104,10 +104,8 @@ class SkinnyGemmLibrary:
         self._linear_i8 = lib.sg_linear_i8
         self._attention = lib.sg_attention
         self.vector_width = int(lib.sg_vector_width())
-        # the interleaved a8 copy: output columns per group (16 on AVX-512 VNNI builds, else 8), and the
-        # rows from which it beats the raw blocks (2, or 3 on the 256-bit builds; same bits either way)
+        # the interleaved a8 copy: output columns per group (16 on AVX-512 VNNI builds, else 8)
         self.interleaved_cols = int(lib.sg_interleaved_cols())
-        self.interleaved_min_rows = int(lib.sg_interleaved_min_rows())
         if lib.sg_isa().decode() != isa:
             raise KernelUnavailable(f"{path} was built for {lib.sg_isa().decode()}, expected {isa}")
         self.set_amx(_env_switch(ENV_AMX))
@@ -216,9 +214,15 @@ class SkinnyGemmLibrary:
 
     def interleaved_bytes(self, ggml_type: int, out_features: int, in_features: int) -> int:
         """Bytes of the a8 weights interleaved `interleaved_cols` output columns wide
-        (csrc/a8_interleaved.cpp: 2-4x fewer instructions per verify row than the raw blocks), or 0
-        where there is no such layout (formats other than Q4_K, Q6_K; K not a multiple of 256)."""
+        (csrc/a8_interleaved.cpp: Q4_K, Q6_K and the 32-weight formats; Q8_0 not on the plain AVX2
+        build), or 0 where there is no such layout (another format, K not a multiple of its block)."""
         return int(self._lib.sg_interleaved_bytes(int(ggml_type), out_features, in_features))
+
+    def interleaved_min_rows(self, ggml_type: int) -> int:
+        """The fewest rows from which a linear of `ggml_type` runs faster on the interleaved copy than
+        on the raw blocks (same bits either way): K-quants 2 (3 on the 256-bit builds), the 32-weight
+        formats 8; 0 where the format has no copy."""
+        return int(self._lib.sg_interleaved_min_rows(int(ggml_type)))
 
     def interleave(self, blocks: torch.Tensor, ggml_type: int, in_features: int, out: torch.Tensor) -> None:
         """blocks [N, K / block * bytes] uint8 -> out [interleaved_bytes(...)] uint8, 64-byte aligned."""

@@ -37,11 +37,12 @@ struct pairs_columns : std::false_type {};
 template <typename Fmt>
 struct pairs_columns<Fmt, std::void_t<decltype(Fmt::kPairColumns)>> : std::bool_constant<Fmt::kPairColumns> {};
 // 32-weight formats whose raw blocks run two columns per zmm as unsigned quants (the VNNI build's
-// 1-4 row tiles): u = q + kA8QuantOffset, so every int32 lane x . q = x . u - offset * (x's 4 bytes summed)
+// 1-4 row tiles, the formats with quants_u64): u = q + kA8QuantOffset, so every int32 lane
+// x . q = x . u - offset * (x's 4 bytes summed)
 template <typename Fmt, typename = void>
 struct raw_pairs : std::false_type {};
 template <typename Fmt>
-struct raw_pairs<Fmt, std::void_t<decltype(Fmt::kA8QuantOffset)>> : std::true_type {};
+struct raw_pairs<Fmt, std::void_t<decltype(&Fmt::quants_u64)>> : std::true_type {};
 // 32-weight formats, a block's float step per output: acc = fma(float(int32 lanes), d_w * d_x, acc)
 inline __m256 block32_step(__m256 acc, __m256i dot, __m256 weight_scale, __m256 dx) {
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(weight_scale, dx), acc);

@@ -1,8 +1,9 @@
-// a8 K-quants (Q4_K, Q6_K) from a copy of the weights interleaved 16 output columns wide (AVX-512
-// VNNI builds) or 8 wide (the 256-bit builds): one vector holds 4 consecutive weights of every
-// column of a group, multiplied by ONE broadcast group of 4 activations, and int32 lane c is column
-// c's running sum: no horizontal sums, the sub-block scale multiply shared by the group's columns,
-// and the unpacking shared by every row of the call.
+// a8 linears from a copy of the weights interleaved 16 output columns wide (AVX-512 VNNI builds) or
+// 8 wide (the 256-bit builds): one vector holds 4 consecutive weights of every column of a group,
+// multiplied by ONE broadcast group of 4 activations, and int32 lane c is column c's running sum: no
+// horizontal sums, the scale multiplies shared by the group's columns, and the unpacking shared by
+// every row of the call. The K-quants (Q4_K, Q6_K) and the 32-weight formats (Q4_0, Q4_1, Q5_0, Q8_0;
+// Q8_0 not on the plain AVX2 build, whose byte products cannot hold its quants: see Block32Layout).
 //
 // Why: a verify row on the raw-block tiles costs ~90-140 vector instructions per 1,024 multiply-adds
 // (lanes of one column transposed and summed, scales applied per 4 weights); here ~23 (Q4_K) or ~34
@@ -12,6 +13,9 @@
 // bsum, of -32 * sc * bsum16 for Q6_K) are the same integers the raw-block tiles compute (exact, any
 // order), and each output takes the same float steps in the same order (a8.cpp's header), so the
 // outputs are bitwise those of sg_linear_gguf_a8 on the original blocks, on any row count and split.
+// The 32-weight formats keep the raw tiles' 8 float lanes per output (lane j: the products of
+// weights 4j..4j+3 of each block, fma'd block by block in K order) as 8 accumulators whose lanes are
+// columns, summed at the end in hsum256's tree, then the min terms: the same float steps.
 //
 // Layout, C = 16 (zmm) or 8 (ymm) columns per group: per group its super-blocks in K order, one tile
 // each (aligned to the vector); columns past N (the last group when N % C != 0) are zero (d = 0),
@@ -22,6 +26,10 @@
 //   Q6_K (212 C bytes): d fp16[C] | 2 C zero | sc i8[8][C][2] (groups 2s, 2s + 1 per column) | 8
 //     sub-blocks x 6 vectors: 4 as Q4_K's (the low 4 bits of u = q + 32), then two whose byte
 //     4c + i holds the high 2 bits of quant 32 s + 4 j + i (resp. 32 s + 16 + 4 j + i) at bits 2j
+//   32-weight formats (36 C bytes per block of 32): d fp16[C] | m fp16[C] (Q4_1; zero otherwise) | 8
+//     vectors of 4 C bytes: byte 4c + i of vector j holds column c's quant 4j + i as the unsigned byte
+//     u = q + kA8QuantOffset (each int32 lane's start, -offset x its 4 activations summed, comes from
+//     the row: Args::starts)
 #include "skinny_gemm.h"
 #include "a8_int.h"
 
@@ -44,12 +52,19 @@ constexpr int kMinRows = 2;
 #else
 constexpr int kMinRows = 3;
 #endif
+// The 32-weight formats' copy keeps the raw tiles' 8 float lanes per output, so a row costs about what
+// it costs on the raw blocks' paired columns, and the copy streams more bytes (Q5_0 36 per 32 weights
+// where its blocks hold 22): it pays where the raw tiles decode (Qwen2.5-Coder-0.5B, gguf-a8, AVX-512
+// VNNI, 2 threads, raw -> copy: T(4) 42.0 -> 48.7 ms, T(8) 62.9 -> 60.7, T(16) 111.0 -> 89.5, T(64)
+// 366.9 -> 264.5; docs/performance.md)
+constexpr int kBlock32MinRows = 8;
 
 struct Args {
-  const uint8_t* group;  // the first group's first tile (a second group follows its K / 256 tiles)
-  int64_t blocks;        // K / 256
+  const uint8_t* group;  // the first group's first tile (a second group follows its `blocks` tiles)
+  int64_t blocks;        // K / the format's block (256 or 32)
   const uint8_t* xq;     // MR activation rows (a8_row_bytes(K) apart)
   int64_t ldxq, K;
+  const int32_t* starts; // 32-weight formats with an offset: per row K / 4 lane starts (K / 4 apart), else null
   const float* bias;     // the first group's columns or null
   float* y;              // [MR, ldy] at the first group's first column
   int64_t ldy;
@@ -89,6 +104,8 @@ inline void group_tiles(const Args& a, int64_t kb, const uint8_t* (&t)[NG]) {
 
 // The raw blocks into the tiles (the same for both widths): column c's block b into tile t.
 struct Q4KLayout {
+  static constexpr int64_t kWeights = 256;
+  static constexpr bool kTwoGroups = true;  // 1-2 rows walk two column groups at once
   static constexpr int64_t kBlockBytes = 144, kHeadBytes = 20 * kCols, kSubBytes = 16 * kCols;
   static constexpr int64_t kTileBytes = kHeadBytes + 8 * kSubBytes;
   static constexpr int64_t kScales = 4 * kCols, kMins = 12 * kCols;
@@ -112,6 +129,8 @@ struct Q4KLayout {
 };
 
 struct Q6KLayout {
+  static constexpr int64_t kWeights = 256;
+  static constexpr bool kTwoGroups = true;
   static constexpr int64_t kBlockBytes = 210, kHeadBytes = 20 * kCols, kSubBytes = 24 * kCols;
   static constexpr int64_t kTileBytes = kHeadBytes + 8 * kSubBytes;
   static constexpr int64_t kScales = 4 * kCols, kHighA = 16 * kCols, kHighB = 20 * kCols;  // kHigh*: within a sub-block
@@ -136,6 +155,31 @@ struct Q6KLayout {
   }
 };
 
+// The 32-weight formats' tile (see the layout above). Fmt: skinny_gemm's format (quants32, the offset).
+template <typename Fmt>
+struct Block32Layout {
+  static constexpr int64_t kWeights = 32;
+  static constexpr bool kTwoGroups = false;  // 8 float accumulators per row leave no room for a second group
+  static constexpr int64_t kBlockBytes = Fmt::kBytes, kHeadBytes = 4 * kCols, kTileBytes = kHeadBytes + 32 * kCols;
+  static constexpr int kOffset = Fmt::kA8QuantOffset;
+  static constexpr bool kHasMin = Fmt::kHasMin;
+  // the byte products: vpdpbusd where the build has VNNI; otherwise vpmaddubsw pairs, exact only while
+  // 2 * u * 127 fits int16, which Q8_0's u = q + 128 does not (that build keeps it on the raw blocks)
+#if defined(SG_A8_ZMM) || defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+  static constexpr bool kAvailable = true;
+#else
+  static constexpr bool kAvailable = kOffset != 128;  // Q8_0's u reaches 255; the others' 31
+#endif
+  static void repack(const uint8_t* b, int c, uint8_t* t) {
+    std::memcpy(t + 2 * c, b, 2);
+    if constexpr (kHasMin) std::memcpy(t + 2 * kCols + 2 * c, b + 2, 2);
+    alignas(32) uint8_t q[32];
+    _mm256_store_si256((__m256i*)q, Fmt::quants32(b, 0));  // the 32 quants in order (signed formats: q)
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 4; ++i) t[kHeadBytes + 4 * kCols * j + 4 * c + i] = (uint8_t)(q[4 * j + i] + kOffset);
+  }
+};
+
 #ifdef SG_A8_ZMM
 #include "a8_interleaved_zmm.h"
 #else
@@ -151,17 +195,23 @@ constexpr std::array<tile_fn_x, sizeof...(I)> interleaved_tiles(std::index_seque
 template <typename Fmt>
 void run_groups(const LinearJob& job, int64_t g_begin, int64_t g_end) {
   static constexpr auto kTiles = interleaved_tiles<Fmt, 1>(std::make_index_sequence<kMaxRows>{});
-  static constexpr auto kPairedTiles = interleaved_tiles<Fmt, 2>(std::make_index_sequence<kPairedRows>{});
-  const int64_t blocks = job.K / 256, ldxq = a8_row_bytes(job.K);
-  const int step = job.M <= kPairedRows ? 2 : 1;
+  const int64_t blocks = job.K / Fmt::kWeights, ldxq = a8_row_bytes(job.K);
+  const int32_t* starts = (const int32_t*)job.ctx;  // lane starts of the 32-weight formats, or null
+  const int step = Fmt::kTwoGroups && job.M <= kPairedRows ? 2 : 1;
   for (int64_t g = g_begin; g < g_end; g += step) {
     const int ng = (int)std::min<int64_t>(step, g_end - g);
     for (int64_t r = 0; r < job.M; r += kMaxRows) {  // the group's tiles stay in L2 for every row block
       const int mr = (int)std::min<int64_t>(kMaxRows, job.M - r);
       const Args args{job.w + g * blocks * Fmt::kTileBytes, blocks, job.xq + r * ldxq, ldxq, job.K,
+                      starts ? starts + r * (job.K / 4) : nullptr,
                       job.bias ? job.bias + kCols * g : nullptr, job.y + r * job.N + kCols * g, job.N,
                       (int)std::min<int64_t>(kCols, job.N - kCols * (g + ng - 1))};
-      (ng == 2 ? kPairedTiles[mr - 1] : kTiles[mr - 1])(args);
+      tile_fn_x tile = kTiles[mr - 1];
+      if constexpr (Fmt::kTwoGroups) {
+        static constexpr auto kPairedTiles = interleaved_tiles<Fmt, 2>(std::make_index_sequence<kPairedRows>{});
+        if (ng == 2) tile = kPairedTiles[mr - 1];
+      }
+      tile(args);
     }
   }
 }
@@ -169,7 +219,7 @@ void run_groups(const LinearJob& job, int64_t g_begin, int64_t g_end) {
 // groups [g_begin, g_end) of job.w (the raw blocks, [N, K / 256 blocks]) into job.ctx (the copy)
 template <typename Fmt>
 void repack_groups(const LinearJob& job, int64_t g_begin, int64_t g_end) {
-  const int64_t blocks = job.K / 256, row_bytes = blocks * Fmt::kBlockBytes;
+  const int64_t blocks = job.K / Fmt::kWeights, row_bytes = blocks * Fmt::kBlockBytes;
   uint8_t* out = (uint8_t*)job.ctx;
   for (int64_t g = g_begin; g < g_end; ++g)
     for (int64_t kb = 0; kb < blocks; ++kb) {
@@ -181,22 +231,45 @@ void repack_groups(const LinearJob& job, int64_t g_begin, int64_t g_end) {
 }
 
 struct InterleavedFormat {
-  int64_t tile_bytes;
+  int64_t tile_bytes, weights;  // a tile's bytes; the weights of a column per tile (the format's block)
+  int offset;                   // 32-weight formats: the quants' offset (the rows' lane starts), else 0
+  int min_rows;                 // the fewest rows for which the copy beats the raw blocks
   void (*repack_groups)(const LinearJob&, int64_t, int64_t);
   void (*run_groups)(const LinearJob&, int64_t, int64_t);
 };
 template <typename Fmt>
-constexpr InterleavedFormat interleaved_format() {
-  return {Fmt::kTileBytes, repack_groups<Fmt>, run_groups<Fmt>};
+constexpr InterleavedFormat interleaved_format(int offset = 0, int min_rows = kMinRows) {
+  return {Fmt::kTileBytes, Fmt::kWeights, offset, min_rows, repack_groups<Fmt>, run_groups<Fmt>};
+}
+template <typename Fmt>
+const InterleavedFormat* block32_format() {
+  using Tiles = Block32Tiles<Fmt>;
+  static constexpr InterleavedFormat kFormat = interleaved_format<Tiles>(Tiles::kOffset, kBlock32MinRows);
+  return Tiles::kAvailable ? &kFormat : nullptr;
 }
 
 const InterleavedFormat* find_interleaved_format(int ggml_type) {
   static constexpr InterleavedFormat kQ4K = interleaved_format<Q4KTiles>(), kQ6K = interleaved_format<Q6KTiles>();
-  switch (ggml_type) {
-    case 12: return &kQ4K;  // GGML_TYPE_Q4_K
-    case 14: return &kQ6K;  // GGML_TYPE_Q6_K
+  switch (ggml_type) {  // GGML_TYPE_*
+    case 2: return block32_format<Q4_0Format>();
+    case 3: return block32_format<Q4_1Format>();
+    case 6: return block32_format<Q5_0Format>();
+    case 8: return block32_format<Q8_0Format>();
+    case 12: return &kQ4K;
+    case 14: return &kQ6K;
     default: return nullptr;
   }
+}
+
+// Each row's int32 lane starts for a format whose quants carry `offset`: -offset x the sum of every
+// 4 activation quants (so vpdpbusd of the unsigned u = q + offset gives exactly q . x per lane)
+std::vector<int32_t> lane_starts(const uint8_t* xq, int64_t M, int64_t K, int offset) {
+  std::vector<int32_t> starts((size_t)(M * (K / 4)));
+  for (int64_t r = 0; r < M; ++r) {
+    const int8_t* q = (const int8_t*)(xq + r * a8_row_bytes(K));
+    for (int64_t l = 0; l < K / 4; ++l) starts[r * (K / 4) + l] = -offset * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+  }
+  return starts;
 }
 
 }  // namespace
@@ -209,14 +282,18 @@ extern "C" {
 // Columns per group of this build's interleaved copy (16 or 8).
 int sg_interleaved_cols() { return kCols; }
 
-// Rows from which a linear should run on the copy rather than on the raw blocks (same bits either way).
-int sg_interleaved_min_rows() { return kMinRows; }
+// Rows from which a linear of `ggml_type` should run on the copy rather than on the raw blocks (same
+// bits either way); 0 when this build has no copy of the format.
+int sg_interleaved_min_rows(int ggml_type) {
+  const InterleavedFormat* f = find_interleaved_format(ggml_type);
+  return f ? f->min_rows : 0;
+}
 
 // Bytes of the interleaved copy of an [N, K] matrix of `ggml_type`, or 0 when there is none (a
-// format other than Q4_K / Q6_K, or K not a multiple of 256).
+// format without a copy on this build, or K not a multiple of its block).
 int64_t sg_interleaved_bytes(int ggml_type, int64_t N, int64_t K) {
   const InterleavedFormat* f = find_interleaved_format(ggml_type);
-  return f && N > 0 && K > 0 && K % 256 == 0 ? (N + kCols - 1) / kCols * (K / 256) * f->tile_bytes : 0;
+  return f && N > 0 && K > 0 && K % f->weights == 0 ? (N + kCols - 1) / kCols * (K / f->weights) * f->tile_bytes : 0;
 }
 
 // w [N, K / 256 blocks] of `ggml_type` -> out [sg_interleaved_bytes(ggml_type, N, K)], 64-byte aligned.
@@ -235,10 +312,13 @@ int sg_linear_interleaved_a8(const float* x, int64_t M, int64_t K, const uint8_t
   if (!sg_interleaved_bytes(ggml_type, N, K)) return 1;
   int status;
   if (bad_shape(x, M, K, w, N, y, &status)) return status;
+  const InterleavedFormat* f = find_interleaved_format(ggml_type);
   std::vector<uint8_t> xq((size_t)(M * a8_row_bytes(K)));  // natural order (no SG_A8_PAIRED interleave)
-  quantize_a8_rows(x, M, K, 256, xq.data());
-  LinearJob job{x, M, K, w, 0, nullptr, N, bias, y, 0, (N + kCols - 1) / kCols, find_interleaved_format(ggml_type)->run_groups};
+  quantize_a8_rows(x, M, K, (int)f->weights, xq.data());
+  const std::vector<int32_t> starts = f->offset ? lane_starts(xq.data(), M, K, f->offset) : std::vector<int32_t>();
+  LinearJob job{x, M, K, w, 0, nullptr, N, bias, y, 0, (N + kCols - 1) / kCols, f->run_groups};
   job.xq = xq.data();
+  job.ctx = f->offset ? (void*)starts.data() : nullptr;
   return run_job(job, num_threads, M * N * K);
 }
 

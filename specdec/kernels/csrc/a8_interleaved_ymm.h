@@ -146,3 +146,53 @@ struct Q6KTiles : Q6KLayout {
     store_rows<MR, NG>(acc, a);
   }
 };
+
+// 32-weight formats, 8 columns per ymm: per row, block and 4 weights the byte products with the
+// row's lane start (vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd, exact for u <= 31: Block32Layout),
+// a convert and an fma into that lane's accumulator; one row per pass (8 accumulators, 16 registers).
+inline __m256i dot_from(__m256i start, __m256i u, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(start, u, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(start, u, x);
+#else
+  return _mm256_add_epi32(start, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+template <typename Fmt>
+struct Block32Tiles : Block32Layout<Fmt> {
+  using L = Block32Layout<Fmt>;
+  static void pass(const Args& a, int r) {
+    const A8Row row(a.xq + r * a.ldxq, a.K);
+    const int32_t* start = a.starts ? a.starts + r * (a.K / 4) : nullptr;
+    __m256 acc[8] = {}, mins = _mm256_setzero_ps();
+    const uint8_t* t = a.group;
+    for (int64_t kb = 0; kb < a.blocks; ++kb, t += L::kTileBytes) {
+#pragma GCC unroll 16
+      for (int64_t l = 0; l < L::kTileBytes; l += 64) _mm_prefetch((const char*)(t + kPrefetch * L::kTileBytes + l), _MM_HINT_T0);
+      const __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(_mm_load_si128((const __m128i*)t)), _mm256_set1_ps(row.d[kb]));
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m256i u = _mm256_load_si256((const __m256i*)(t + L::kHeadBytes + 32 * j));
+        const __m256i lane_start = L::kOffset ? _mm256_set1_epi32(start[8 * kb + j]) : _mm256_setzero_si256();
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_from(lane_start, u, bcast4(row.q + 32 * kb + 4 * j))), scale, acc[j]);
+      }
+      if constexpr (L::kHasMin)
+        mins = _mm256_add_ps(mins, _mm256_mul_ps(_mm256_cvtph_ps(_mm_load_si128((const __m128i*)(t + 2 * kCols))), _mm256_set1_ps(row.ds[kb])));
+    }
+    // hsum256's tree over the 8 lanes, then the min terms
+    const __m256 even = _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6]));
+    const __m256 odd = _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7]));
+    __m256 out[1][1] = {{_mm256_add_ps(even, odd)}};
+    if constexpr (L::kHasMin) out[0][0] = _mm256_add_ps(out[0][0], mins);
+    Args one = a;
+    one.y = a.y + r * a.ldy;
+    store_rows<1, 1>(out, one);
+  }
+  template <int MR, int NG>
+  static void tile(const Args& a) {
+    static_assert(NG == 1, "the 32-weight tiles walk one column group");
+    for (int r = 0; r < MR; ++r) pass(a, r);
+  }
+};

@@ -140,3 +140,64 @@ struct Q6KTiles : Q6KLayout {
   }
 };
 
+
+// 32-weight formats, 16 columns per zmm: per row, block and 4 weights one vpdpbusd (its start the
+// row's lane start), a convert and an fma into that lane's accumulator; two rows per pass share the
+// weight vectors (8 accumulators per row: 16 of the 32 zmm registers).
+template <typename Fmt>
+struct Block32Tiles : Block32Layout<Fmt> {
+  using L = Block32Layout<Fmt>;
+  template <int RB>
+  static void pass(const Args& a, int r0) {  // rows r0 .. r0 + RB - 1
+    const uint8_t* q[RB];
+    const float *dx[RB], *ds[RB];
+    const int32_t* start[RB];
+#pragma GCC unroll 2
+    for (int r = 0; r < RB; ++r) {
+      const A8Row row(a.xq + (r0 + r) * a.ldxq, a.K);
+      q[r] = row.q, dx[r] = row.d, ds[r] = row.ds, start[r] = a.starts ? a.starts + (r0 + r) * (a.K / 4) : nullptr;
+    }
+    __m512 acc[RB][8] = {}, mins[RB] = {};  // zeros
+    const uint8_t* t = a.group;
+    for (int64_t kb = 0; kb < a.blocks; ++kb, t += L::kTileBytes) {
+#pragma GCC unroll 16
+      for (int64_t l = 0; l < L::kTileBytes; l += 64) _mm_prefetch((const char*)(t + kPrefetch * L::kTileBytes + l), _MM_HINT_T0);
+      const __m512 d_w = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)t));
+      __m512 scale[RB];
+#pragma GCC unroll 2
+      for (int r = 0; r < RB; ++r) scale[r] = _mm512_mul_ps(d_w, _mm512_set1_ps(dx[r][kb]));
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m512i u = _mm512_load_si512((const void*)(t + L::kHeadBytes + 64 * j));
+#pragma GCC unroll 2
+        for (int r = 0; r < RB; ++r) {
+          const __m512i lane_start = L::kOffset ? _mm512_set1_epi32(start[r][8 * kb + j]) : _mm512_setzero_si512();
+          const __m512i dot = _mm512_dpbusd_epi32(lane_start, u, bcast4(q[r] + 32 * kb + 4 * j));
+          acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale[r], acc[r][j]);
+        }
+      }
+      if constexpr (L::kHasMin) {
+        const __m512 m_w = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)(t + 2 * kCols)));
+#pragma GCC unroll 2
+        for (int r = 0; r < RB; ++r) mins[r] = _mm512_add_ps(mins[r], _mm512_mul_ps(m_w, _mm512_set1_ps(ds[r][kb])));
+      }
+    }
+    __m512 out[1][RB];
+#pragma GCC unroll 2
+    for (int r = 0; r < RB; ++r) {  // hsum256's tree over the 8 lanes, then the min terms
+      const __m512 even = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][4]), _mm512_add_ps(acc[r][2], acc[r][6]));
+      const __m512 odd = _mm512_add_ps(_mm512_add_ps(acc[r][1], acc[r][5]), _mm512_add_ps(acc[r][3], acc[r][7]));
+      out[0][r] = _mm512_add_ps(even, odd);
+      if constexpr (L::kHasMin) out[0][r] = _mm512_add_ps(out[0][r], mins[r]);
+    }
+    Args rows = a;
+    rows.y = a.y + r0 * a.ldy;
+    store_rows<RB, 1>(out, rows);
+  }
+  template <int MR, int NG>
+  static void tile(const Args& a) {
+    static_assert(NG == 1, "the 32-weight tiles walk one column group");
+    for (int r = 0; r + 2 <= MR; r += 2) pass<2>(a, r);
+    if constexpr (MR % 2) pass<1>(a, MR - 1);
+  }
+};

@@ -302,9 +302,10 @@ struct Q4_0Format {  // d fp16, qs[16]: weight j < 16 = low nibble of qs[j], j >
   static __m256i quants32(const uint8_t* b, int) { return _mm256_sub_epi8(split_nibbles32(b + 2), _mm256_set1_epi8(8)); }
   static __m256 a8_scale(const Scales& s, int) { return _mm256_set1_ps(s.d); }
   static float a8_min(const Scales&, int) { return 0.0f; }
-#ifdef SG_A8_ZMM
-  // the raw blocks' 1-4 row tiles: two columns' quants as unsigned bytes u = q + kA8QuantOffset
+  // unsigned quants u = q + kA8QuantOffset: the VNNI build's raw 1-4 row tiles (two columns' quants
+  // per zmm) and every build's interleaved copy (a8_interleaved.cpp)
   static constexpr int kA8QuantOffset = 8;
+#ifdef SG_A8_ZMM
   static __m512i quants_u64(const uint8_t* b0, const uint8_t* b1) {
     return split_nibbles_pair(b0 + 2, b1 + 2);
   }
@@ -326,9 +327,10 @@ struct Q4_1Format {  // d fp16, m fp16, qs[16] as Q4_0
   static __m256i quants32(const uint8_t* b, int) { return split_nibbles32(b + 4); }
   static __m256 a8_scale(const Scales& s, int) { return _mm256_set1_ps(s.d); }
   static float a8_min(const Scales& s, int) { return s.m; }
-#ifdef SG_A8_ZMM
-  // the raw blocks' 1-4 row tiles: two columns' quants as unsigned bytes u = q + kA8QuantOffset
+  // unsigned quants u = q + kA8QuantOffset: the VNNI build's raw 1-4 row tiles (two columns' quants
+  // per zmm) and every build's interleaved copy (a8_interleaved.cpp)
   static constexpr int kA8QuantOffset = 0;
+#ifdef SG_A8_ZMM
   static __m512i quants_u64(const uint8_t* b0, const uint8_t* b1) {
     return split_nibbles_pair(b0 + 4, b1 + 4);
   }
@@ -357,9 +359,10 @@ struct Q5_0Format {  // d fp16, qh u32 (bit j = 5th bit of weight j), qs[16] as 
   }
   static __m256 a8_scale(const Scales& s, int) { return _mm256_set1_ps(s.d); }
   static float a8_min(const Scales&, int) { return 0.0f; }
-#ifdef SG_A8_ZMM
-  // the raw blocks' 1-4 row tiles: two columns' quants as unsigned bytes u = q + kA8QuantOffset
+  // unsigned quants u = q + kA8QuantOffset: the VNNI build's raw 1-4 row tiles (two columns' quants
+  // per zmm) and every build's interleaved copy (a8_interleaved.cpp)
   static constexpr int kA8QuantOffset = 16;
+#ifdef SG_A8_ZMM
   static __m512i quants_u64(const uint8_t* b0, const uint8_t* b1) {
     uint32_t qh0, qh1;  // bit j: 16 on weight j
     std::memcpy(&qh0, b0 + 2, 4), std::memcpy(&qh1, b1 + 2, 4);
@@ -381,9 +384,10 @@ struct Q8_0Format {  // d fp16, qs int8[32]
   static __m256i quants32(const uint8_t* b, int) { return load32(b + 2); }
   static __m256 a8_scale(const Scales& s, int) { return _mm256_set1_ps(s.d); }
   static float a8_min(const Scales&, int) { return 0.0f; }
-#ifdef SG_A8_ZMM
-  // the raw blocks' 1-4 row tiles: two columns' quants as unsigned bytes u = q + kA8QuantOffset
+  // unsigned quants u = q + kA8QuantOffset: the VNNI build's raw 1-4 row tiles (two columns' quants
+  // per zmm) and every build's interleaved copy (a8_interleaved.cpp)
   static constexpr int kA8QuantOffset = 128;
+#ifdef SG_A8_ZMM
   static __m512i quants_u64(const uint8_t* b0, const uint8_t* b1) {
     return _mm512_xor_si512(load_pair64(b0 + 2, b1 + 2), _mm512_set1_epi8((char)0x80));  // q + 128 (mod 256)
   }
