@@ -127,8 +127,9 @@ def test_gguf_linear_runs_int8_layers_on_the_copy(library):
     assert GGUFLinear(q5k, KERNEL_TYPES["Q5_K"], in_features, None, backend, activations="int8").interleaved_weight is None
     assert library.interleaved_bytes(KERNEL_TYPES["Q4_K"], 33, 288) == 0  # K not a multiple of 256
     assert library.interleaved_bytes(KERNEL_TYPES["Q4_0"], 33, 288) > 0  # 9 blocks of 32
-    # the 32-weight formats run on the copy from 8 rows, the K-quants from 2 or 3; no copy, no rows
-    assert library.interleaved_min_rows(KERNEL_TYPES["Q5_0"]) == 8
+    # the 4/5-bit formats run on the copy from 1 row, Q8_0 from 8, the K-quants from 2 or 3; no copy, no rows
+    assert library.interleaved_min_rows(KERNEL_TYPES["Q5_0"]) == 1
+    assert library.interleaved_min_rows(KERNEL_TYPES["Q8_0"]) in (8, 0)
     assert library.interleaved_min_rows(KERNEL_TYPES["Q4_K"]) in (2, 3)
     assert library.interleaved_min_rows(KERNEL_TYPES["Q5_K"]) == 0
     assert library.interleaved_cols in (8, 16)

@@ -26,10 +26,13 @@
 //   Q6_K (212 C bytes): d fp16[C] | 2 C zero | sc i8[8][C][2] (groups 2s, 2s + 1 per column) | 8
 //     sub-blocks x 6 vectors: 4 as Q4_K's (the low 4 bits of u = q + 32), then two whose byte
 //     4c + i holds the high 2 bits of quant 32 s + 4 j + i (resp. 32 s + 16 + 4 j + i) at bits 2j
-//   32-weight formats (36 C bytes per block of 32): d fp16[C] | m fp16[C] (Q4_1; zero otherwise) | 8
-//     vectors of 4 C bytes: byte 4c + i of vector j holds column c's quant 4j + i as the unsigned byte
-//     u = q + kA8QuantOffset (each int32 lane's start, -offset x its 4 activations summed, comes from
-//     the row: Args::starts)
+//   32-weight formats, per block of 32: d fp16[C] | m fp16[C] (Q4_1; zero otherwise) | the quants as
+//     unsigned u = q + kA8QuantOffset (each int32 lane's start, -offset x its 4 activations summed,
+//     comes from the row: Args::starts): Q8_0 8 vectors of 4 C bytes, byte 4c + i of vector j = column
+//     c's u of weight 4j + i (36 C bytes); Q4_0 / Q4_1 / Q5_0 4 vectors whose byte 4c + i holds weight
+//     4j + i in its low nibble and 4(j + 4) + i in its high one (20 C bytes), and Q5_0 8 bit planes of 4
+//     C bits, bit 4c + i of plane j = the fifth bit of column c's weight 4j + i (24 C bytes; its blocks
+//     hold 22 C)
 #include "skinny_gemm.h"
 #include "a8_int.h"
 
@@ -52,12 +55,6 @@ constexpr int kMinRows = 2;
 #else
 constexpr int kMinRows = 3;
 #endif
-// The 32-weight formats' copy keeps the raw tiles' 8 float lanes per output, so a row costs about what
-// it costs on the raw blocks' paired columns, and the copy streams more bytes (Q5_0 36 per 32 weights
-// where its blocks hold 22): it pays where the raw tiles decode (Qwen2.5-Coder-0.5B, gguf-a8, AVX-512
-// VNNI, 2 threads, raw -> copy: T(4) 42.0 -> 48.7 ms, T(8) 62.9 -> 60.7, T(16) 111.0 -> 89.5, T(64)
-// 366.9 -> 264.5; docs/performance.md)
-constexpr int kBlock32MinRows = 8;
 
 struct Args {
   const uint8_t* group;  // the first group's first tile (a second group follows its `blocks` tiles)
@@ -160,23 +157,41 @@ template <typename Fmt>
 struct Block32Layout {
   static constexpr int64_t kWeights = 32;
   static constexpr bool kTwoGroups = false;  // 8 float accumulators per row leave no room for a second group
-  static constexpr int64_t kBlockBytes = Fmt::kBytes, kHeadBytes = 4 * kCols, kTileBytes = kHeadBytes + 32 * kCols;
   static constexpr int kOffset = Fmt::kA8QuantOffset;
   static constexpr bool kHasMin = Fmt::kHasMin;
+  static constexpr bool kNibbles = kOffset != 128;  // Q4_0, Q4_1, Q5_0: 4-bit fields (Q5_0: + a bit plane)
+  static constexpr bool kFifthBit = kOffset == 16;   // Q5_0
+  static constexpr int64_t kBlockBytes = Fmt::kBytes, kHeadBytes = 4 * kCols;
+  static constexpr int64_t kQuantBytes = kNibbles ? 16 * kCols : 32 * kCols, kBitsBytes = kFifthBit ? 4 * kCols : 0;
+  static constexpr int64_t kTileBytes = kHeadBytes + kQuantBytes + kBitsBytes;
+  // The raw tiles of the 4/5-bit formats are bound by their arithmetic even at one row (~16 G
+  // multiply-adds/s per core on Q5_0), their copy (the blocks' bytes or 9 % more) by memory: it runs
+  // every row count. Q8_0's copy (36 bytes per 32 weights where its blocks hold 34) gained nothing
+  // below 8 rows (docs/performance.md).
+  static constexpr int kMinRows = kNibbles ? 1 : 8;
   // the byte products: vpdpbusd where the build has VNNI; otherwise vpmaddubsw pairs, exact only while
   // 2 * u * 127 fits int16, which Q8_0's u = q + 128 does not (that build keeps it on the raw blocks)
 #if defined(SG_A8_ZMM) || defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
   static constexpr bool kAvailable = true;
 #else
-  static constexpr bool kAvailable = kOffset != 128;  // Q8_0's u reaches 255; the others' 31
+  static constexpr bool kAvailable = kNibbles;  // Q8_0's u reaches 255; the others' 31
 #endif
   static void repack(const uint8_t* b, int c, uint8_t* t) {
     std::memcpy(t + 2 * c, b, 2);
     if constexpr (kHasMin) std::memcpy(t + 2 * kCols + 2 * c, b + 2, 2);
     alignas(32) uint8_t q[32];
     _mm256_store_si256((__m256i*)q, Fmt::quants32(b, 0));  // the 32 quants in order (signed formats: q)
+    uint8_t* quants = t + kHeadBytes;
     for (int j = 0; j < 8; ++j)
-      for (int i = 0; i < 4; ++i) t[kHeadBytes + 4 * kCols * j + 4 * c + i] = (uint8_t)(q[4 * j + i] + kOffset);
+      for (int i = 0; i < 4; ++i) {
+        const int lane = 4 * c + i, u = (uint8_t)(q[4 * j + i] + kOffset);
+        if constexpr (!kNibbles) {
+          quants[4 * kCols * j + lane] = (uint8_t)u;
+        } else {
+          quants[4 * kCols * (j % 4) + lane] |= (uint8_t)((u & 0xF) << (4 * (j / 4)));
+          if constexpr (kFifthBit) quants[kQuantBytes + kCols / 2 * j + lane / 8] |= (uint8_t)(((u >> 4) & 1) << (lane % 8));
+        }
+      }
   }
 };
 
@@ -244,7 +259,7 @@ constexpr InterleavedFormat interleaved_format(int offset = 0, int min_rows = kM
 template <typename Fmt>
 const InterleavedFormat* block32_format() {
   using Tiles = Block32Tiles<Fmt>;
-  static constexpr InterleavedFormat kFormat = interleaved_format<Tiles>(Tiles::kOffset, kBlock32MinRows);
+  static constexpr InterleavedFormat kFormat = interleaved_format<Tiles>(Tiles::kOffset, Tiles::kMinRows);
   return Tiles::kAvailable ? &kFormat : nullptr;
 }
 

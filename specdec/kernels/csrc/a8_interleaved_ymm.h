@@ -149,7 +149,8 @@ struct Q6KTiles : Q6KLayout {
 
 // 32-weight formats, 8 columns per ymm: per row, block and 4 weights the byte products with the
 // row's lane start (vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd, exact for u <= 31: Block32Layout),
-// a convert and an fma into that lane's accumulator; one row per pass (8 accumulators, 16 registers).
+// a convert and an fma into that lane's accumulator; one row per pass (8 accumulators, 16 registers),
+// the nibbles split (and Q5_0's fifth bits spread to bytes) per pass.
 inline __m256i dot_from(__m256i start, __m256i u, __m256i x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(start, u, x);
@@ -167,16 +168,33 @@ struct Block32Tiles : Block32Layout<Fmt> {
     const A8Row row(a.xq + r * a.ldxq, a.K);
     const int32_t* start = a.starts ? a.starts + r * (a.K / 4) : nullptr;
     __m256 acc[8] = {}, mins = _mm256_setzero_ps();
+    [[maybe_unused]] const __m256i low4 = _mm256_set1_epi8(0x0f), sixteen = _mm256_set1_epi8(16);
     const uint8_t* t = a.group;
     for (int64_t kb = 0; kb < a.blocks; ++kb, t += L::kTileBytes) {
 #pragma GCC unroll 16
       for (int64_t l = 0; l < L::kTileBytes; l += 64) _mm_prefetch((const char*)(t + kPrefetch * L::kTileBytes + l), _MM_HINT_T0);
       const __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(_mm_load_si128((const __m128i*)t)), _mm256_set1_ps(row.d[kb]));
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        const __m256i u = _mm256_load_si256((const __m256i*)(t + L::kHeadBytes + 32 * j));
-        const __m256i lane_start = L::kOffset ? _mm256_set1_epi32(start[8 * kb + j]) : _mm256_setzero_si256();
-        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_from(lane_start, u, bcast4(row.q + 32 * kb + 4 * j))), scale, acc[j]);
+      const uint8_t* quants = t + L::kHeadBytes;
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {  // weights 4p.. and 4(p + 4).. of every column
+        __m256i u[2];
+        if constexpr (L::kNibbles) {
+          const __m256i packed = _mm256_load_si256((const __m256i*)(quants + 32 * p));
+          u[0] = _mm256_and_si256(packed, low4), u[1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+          if constexpr (L::kFifthBit) {
+            const uint32_t* bits = (const uint32_t*)(quants + L::kQuantBytes);
+            u[0] = _mm256_or_si256(u[0], _mm256_and_si256(bits_to_bytes32(bits[p]), sixteen));
+            u[1] = _mm256_or_si256(u[1], _mm256_and_si256(bits_to_bytes32(bits[p + 4]), sixteen));
+          }
+        } else {
+          u[0] = _mm256_load_si256((const __m256i*)(quants + 32 * p)), u[1] = _mm256_load_si256((const __m256i*)(quants + 32 * (p + 4)));
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const int j = p + 4 * h;
+          const __m256i lane_start = L::kOffset ? _mm256_set1_epi32(start[8 * kb + j]) : _mm256_setzero_si256();
+          acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_from(lane_start, u[h], bcast4(row.q + 32 * kb + 4 * j))), scale, acc[j]);
+        }
       }
       if constexpr (L::kHasMin)
         mins = _mm256_add_ps(mins, _mm256_mul_ps(_mm256_cvtph_ps(_mm_load_si128((const __m128i*)(t + 2 * kCols))), _mm256_set1_ps(row.ds[kb])));

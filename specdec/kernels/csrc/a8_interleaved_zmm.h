@@ -143,7 +143,8 @@ struct Q6KTiles : Q6KLayout {
 
 // 32-weight formats, 16 columns per zmm: per row, block and 4 weights one vpdpbusd (its start the
 // row's lane start), a convert and an fma into that lane's accumulator; two rows per pass share the
-// weight vectors (8 accumulators per row: 16 of the 32 zmm registers).
+// unpacked weight vectors (a nibble split, Q5_0's fifth bits a masked add; 8 accumulators per row: 16
+// of the 32 zmm registers).
 template <typename Fmt>
 struct Block32Tiles : Block32Layout<Fmt> {
   using L = Block32Layout<Fmt>;
@@ -158,6 +159,7 @@ struct Block32Tiles : Block32Layout<Fmt> {
       q[r] = row.q, dx[r] = row.d, ds[r] = row.ds, start[r] = a.starts ? a.starts + (r0 + r) * (a.K / 4) : nullptr;
     }
     __m512 acc[RB][8] = {}, mins[RB] = {};  // zeros
+    [[maybe_unused]] const __m512i low4 = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
     const uint8_t* t = a.group;
     for (int64_t kb = 0; kb < a.blocks; ++kb, t += L::kTileBytes) {
 #pragma GCC unroll 16
@@ -166,14 +168,30 @@ struct Block32Tiles : Block32Layout<Fmt> {
       __m512 scale[RB];
 #pragma GCC unroll 2
       for (int r = 0; r < RB; ++r) scale[r] = _mm512_mul_ps(d_w, _mm512_set1_ps(dx[r][kb]));
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        const __m512i u = _mm512_load_si512((const void*)(t + L::kHeadBytes + 64 * j));
+      const uint8_t* quants = t + L::kHeadBytes;
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {  // weights 4p.. and 4(p + 4).. of every column
+        __m512i u[2];
+        if constexpr (L::kNibbles) {
+          const __m512i packed = _mm512_load_si512((const void*)(quants + 64 * p));
+          u[0] = _mm512_and_si512(packed, low4), u[1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+          if constexpr (L::kFifthBit) {
+            const uint64_t* bits = (const uint64_t*)(quants + L::kQuantBytes);
+            u[0] = _mm512_mask_add_epi8(u[0], _cvtu64_mask64(bits[p]), u[0], sixteen);
+            u[1] = _mm512_mask_add_epi8(u[1], _cvtu64_mask64(bits[p + 4]), u[1], sixteen);
+          }
+        } else {
+          u[0] = _mm512_load_si512((const void*)(quants + 64 * p)), u[1] = _mm512_load_si512((const void*)(quants + 64 * (p + 4)));
+        }
 #pragma GCC unroll 2
-        for (int r = 0; r < RB; ++r) {
-          const __m512i lane_start = L::kOffset ? _mm512_set1_epi32(start[r][8 * kb + j]) : _mm512_setzero_si512();
-          const __m512i dot = _mm512_dpbusd_epi32(lane_start, u, bcast4(q[r] + 32 * kb + 4 * j));
-          acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale[r], acc[r][j]);
+        for (int h = 0; h < 2; ++h) {
+          const int j = p + 4 * h;
+#pragma GCC unroll 2
+          for (int r = 0; r < RB; ++r) {
+            const __m512i lane_start = L::kOffset ? _mm512_set1_epi32(start[r][8 * kb + j]) : _mm512_setzero_si512();
+            const __m512i dot = _mm512_dpbusd_epi32(lane_start, u[h], bcast4(q[r] + 32 * kb + 4 * j));
+            acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale[r], acc[r][j]);
+          }
         }
       }
       if constexpr (L::kHasMin) {
