@@ -79,18 +79,19 @@ inline void prefetch_ahead(const uint8_t* t, int s) {
   for (int l = 0; l < kLines; ++l) _mm_prefetch((const char*)(t + kPrefetch * kTileBytes + 64 * (kLines * s + l)), _MM_HINT_T0);
 }
 
-// A tile's activation rows: each row's quants, scales per 256 weights, sums per 32 and per 16
+// A tile's activation rows: each row's quants, scales per block, scaled sums (ds), sums per 32 and per 16
 // (A8Row views), and the first tile of each of its NG groups for super-block kb.
 template <int MR>
 struct TileRows {
   const uint8_t* q[MR];
   const float* dx[MR];
+  const float* ds[MR];
   const int16_t* bsum[MR];
   const int16_t* bsum16[MR];
   explicit TileRows(const Args& a) {
     for (int r = 0; r < MR; ++r) {
       const A8Row row(a.xq + r * a.ldxq, a.K);
-      q[r] = row.q, dx[r] = row.d, bsum[r] = row.bsum, bsum16[r] = row.bsum16;
+      q[r] = row.q, dx[r] = row.d, ds[r] = row.ds, bsum[r] = row.bsum, bsum16[r] = row.bsum16;
     }
   }
 };

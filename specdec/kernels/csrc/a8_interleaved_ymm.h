@@ -149,8 +149,7 @@ struct Q6KTiles : Q6KLayout {
 
 // 32-weight formats, 8 columns per ymm: per row, block and 4 weights the byte products with the
 // row's lane start (vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd, exact for u <= 31: Block32Layout),
-// a convert and an fma into that lane's accumulator; one row per pass (8 accumulators, 16 registers),
-// the nibbles split (and Q5_0's fifth bits spread to bytes) per pass.
+// a convert and an fma into that lane's accumulator.
 inline __m256i dot_from(__m256i start, __m256i u, __m256i x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(start, u, x);
@@ -164,53 +163,63 @@ inline __m256i dot_from(__m256i start, __m256i u, __m256i x) {
 template <typename Fmt>
 struct Block32Tiles : Block32Layout<Fmt> {
   using L = Block32Layout<Fmt>;
-  static void pass(const Args& a, int r) {
-    const A8Row row(a.xq + r * a.ldxq, a.K);
-    const int32_t* start = a.starts ? a.starts + r * (a.K / 4) : nullptr;
-    __m256 acc[8] = {}, mins = _mm256_setzero_ps();
+  // the 8 weight vectors of a block, unpacked once for every row of the tile
+  static void unpack(const uint8_t* quants, __m256i (&u)[8]) {
     [[maybe_unused]] const __m256i low4 = _mm256_set1_epi8(0x0f), sixteen = _mm256_set1_epi8(16);
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {  // weights 4p.. and 4(p + 4).. of every column
+      if constexpr (L::kNibbles) {
+        const __m256i packed = _mm256_load_si256((const __m256i*)(quants + 32 * p));
+        u[p] = _mm256_and_si256(packed, low4), u[p + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+        if constexpr (L::kFifthBit) {
+          const uint32_t* bits = (const uint32_t*)(quants + L::kQuantBytes);
+          u[p] = _mm256_or_si256(u[p], _mm256_and_si256(bits_to_bytes32(bits[p]), sixteen));
+          u[p + 4] = _mm256_or_si256(u[p + 4], _mm256_and_si256(bits_to_bytes32(bits[p + 4]), sixteen));
+        }
+      } else {
+        u[p] = _mm256_load_si256((const __m256i*)(quants + 32 * p)), u[p + 4] = _mm256_load_si256((const __m256i*)(quants + 32 * (p + 4)));
+      }
+    }
+  }
+  // The rows' 8 accumulators each live in memory (16 ymm registers hold the weights and one row's
+  // work), so the unpacking is shared by every row of the tile.
+  template <int MR, int NG>
+  static void tile(const Args& a) {
+    static_assert(NG == 1, "the 32-weight tiles walk one column group");
+    const TileRows<MR> rows(a);
+    alignas(32) float acc[MR][8][kCols] = {}, mins[MR][kCols] = {};  // zeros
     const uint8_t* t = a.group;
     for (int64_t kb = 0; kb < a.blocks; ++kb, t += L::kTileBytes) {
 #pragma GCC unroll 16
       for (int64_t l = 0; l < L::kTileBytes; l += 64) _mm_prefetch((const char*)(t + kPrefetch * L::kTileBytes + l), _MM_HINT_T0);
-      const __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(_mm_load_si128((const __m128i*)t)), _mm256_set1_ps(row.d[kb]));
-      const uint8_t* quants = t + L::kHeadBytes;
+      __m256i u[8];
+      unpack(t + L::kHeadBytes, u);
+      const __m256 d_w = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)t));
 #pragma GCC unroll 4
-      for (int p = 0; p < 4; ++p) {  // weights 4p.. and 4(p + 4).. of every column
-        __m256i u[2];
-        if constexpr (L::kNibbles) {
-          const __m256i packed = _mm256_load_si256((const __m256i*)(quants + 32 * p));
-          u[0] = _mm256_and_si256(packed, low4), u[1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-          if constexpr (L::kFifthBit) {
-            const uint32_t* bits = (const uint32_t*)(quants + L::kQuantBytes);
-            u[0] = _mm256_or_si256(u[0], _mm256_and_si256(bits_to_bytes32(bits[p]), sixteen));
-            u[1] = _mm256_or_si256(u[1], _mm256_and_si256(bits_to_bytes32(bits[p + 4]), sixteen));
-          }
-        } else {
-          u[0] = _mm256_load_si256((const __m256i*)(quants + 32 * p)), u[1] = _mm256_load_si256((const __m256i*)(quants + 32 * (p + 4)));
+      for (int r = 0; r < MR; ++r) {
+        const __m256 scale = _mm256_mul_ps(d_w, _mm256_set1_ps(rows.dx[r][kb]));
+        const int32_t* start = a.starts ? a.starts + r * (a.K / 4) + 8 * kb : nullptr;
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          const __m256i lane_start = L::kOffset ? _mm256_set1_epi32(start[j]) : _mm256_setzero_si256();
+          const __m256i dot = dot_from(lane_start, u[j], bcast4(rows.q[r] + 32 * kb + 4 * j));
+          _mm256_store_ps(acc[r][j], _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, _mm256_load_ps(acc[r][j])));
         }
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          const int j = p + 4 * h;
-          const __m256i lane_start = L::kOffset ? _mm256_set1_epi32(start[8 * kb + j]) : _mm256_setzero_si256();
-          acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_from(lane_start, u[h], bcast4(row.q + 32 * kb + 4 * j))), scale, acc[j]);
+        if constexpr (L::kHasMin) {
+          const __m256 m_w = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)(t + 2 * kCols)));
+          _mm256_store_ps(mins[r], _mm256_add_ps(_mm256_load_ps(mins[r]), _mm256_mul_ps(m_w, _mm256_set1_ps(rows.ds[r][kb]))));
         }
       }
-      if constexpr (L::kHasMin)
-        mins = _mm256_add_ps(mins, _mm256_mul_ps(_mm256_cvtph_ps(_mm_load_si128((const __m128i*)(t + 2 * kCols))), _mm256_set1_ps(row.ds[kb])));
     }
-    // hsum256's tree over the 8 lanes, then the min terms
-    const __m256 even = _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6]));
-    const __m256 odd = _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7]));
-    __m256 out[1][1] = {{_mm256_add_ps(even, odd)}};
-    if constexpr (L::kHasMin) out[0][0] = _mm256_add_ps(out[0][0], mins);
-    Args one = a;
-    one.y = a.y + r * a.ldy;
-    store_rows<1, 1>(out, one);
-  }
-  template <int MR, int NG>
-  static void tile(const Args& a) {
-    static_assert(NG == 1, "the 32-weight tiles walk one column group");
-    for (int r = 0; r < MR; ++r) pass(a, r);
+    __m256 out[1][MR];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {  // hsum256's tree over the 8 lanes, then the min terms
+      auto lane = [&](int j) { return _mm256_load_ps(acc[r][j]); };
+      const __m256 even = _mm256_add_ps(_mm256_add_ps(lane(0), lane(4)), _mm256_add_ps(lane(2), lane(6)));
+      const __m256 odd = _mm256_add_ps(_mm256_add_ps(lane(1), lane(5)), _mm256_add_ps(lane(3), lane(7)));
+      out[0][r] = _mm256_add_ps(even, odd);
+      if constexpr (L::kHasMin) out[0][r] = _mm256_add_ps(out[0][r], _mm256_load_ps(mins[r]));
+    }
+    store_rows<MR, 1>(out, a);
   }
 };
