@@ -165,9 +165,8 @@ struct Block32Layout {
   static constexpr int64_t kBlockBytes = Fmt::kBytes, kHeadBytes = 4 * kCols;
   static constexpr int64_t kQuantBytes = kNibbles ? 16 * kCols : 32 * kCols, kBitsBytes = kFifthBit ? 4 * kCols : 0;
   static constexpr int64_t kTileBytes = kHeadBytes + kQuantBytes + kBitsBytes;
-  // The raw tiles of the 4/5-bit formats are bound by their arithmetic even at one row (~16 G
-  // multiply-adds/s per core on Q5_0), their copy (the blocks' bytes or 9 % more) by memory: it runs
-  // every row count. Q8_0's copy (36 bytes per 32 weights where its blocks hold 34) gained nothing
+  // The raw tiles of the 4/5-bit formats are bound by their arithmetic even at one row, their copy
+  // (the blocks' bytes or ~10 % more) by memory: it runs every row count. Q8_0's copy (36 bytes per 32 weights where its blocks hold 34) gained nothing
   // below 8 rows (docs/performance.md).
   static constexpr int kMinRows = kNibbles ? 1 : 8;
   // the byte products: vpdpbusd where the build has VNNI; otherwise vpmaddubsw pairs, exact only while
@@ -232,7 +231,7 @@ void run_groups(const LinearJob& job, int64_t g_begin, int64_t g_end) {
   }
 }
 
-// groups [g_begin, g_end) of job.w (the raw blocks, [N, K / 256 blocks]) into job.ctx (the copy)
+// groups [g_begin, g_end) of job.w (the raw blocks, [N, K / block blocks]) into job.ctx (the copy)
 template <typename Fmt>
 void repack_groups(const LinearJob& job, int64_t g_begin, int64_t g_end) {
   const int64_t blocks = job.K / Fmt::kWeights, row_bytes = blocks * Fmt::kBlockBytes;
@@ -312,7 +311,7 @@ int64_t sg_interleaved_bytes(int ggml_type, int64_t N, int64_t K) {
   return f && N > 0 && K > 0 && K % f->weights == 0 ? (N + kCols - 1) / kCols * (K / f->weights) * f->tile_bytes : 0;
 }
 
-// w [N, K / 256 blocks] of `ggml_type` -> out [sg_interleaved_bytes(ggml_type, N, K)], 64-byte aligned.
+// w [N, K / block blocks] of `ggml_type` -> out [sg_interleaved_bytes(ggml_type, N, K)], 64-byte aligned.
 int sg_interleave(int ggml_type, const uint8_t* w, int64_t N, int64_t K, uint8_t* out, int num_threads) {
   if (!sg_interleaved_bytes(ggml_type, N, K) || !w || !out || (uintptr_t)out % 64) return 1;
   LinearJob job{nullptr, 0, K, w, 0, nullptr, N, nullptr, nullptr, 0, (N + kCols - 1) / kCols,

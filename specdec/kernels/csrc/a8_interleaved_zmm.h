@@ -140,7 +140,6 @@ struct Q6KTiles : Q6KLayout {
   }
 };
 
-
 // 32-weight formats, 16 columns per zmm: per row, block and 4 weights one vpdpbusd (its start the
 // row's lane start), a convert and an fma into that lane's accumulator; two rows per pass share the
 // unpacked weight vectors (a nibble split, Q5_0's fifth bits a masked add; 8 accumulators per row: 16
@@ -149,15 +148,10 @@ template <typename Fmt>
 struct Block32Tiles : Block32Layout<Fmt> {
   using L = Block32Layout<Fmt>;
   template <int RB>
-  static void pass(const Args& a, int r0) {  // rows r0 .. r0 + RB - 1
-    const uint8_t* q[RB];
-    const float *dx[RB], *ds[RB];
-    const int32_t* start[RB];
-#pragma GCC unroll 2
-    for (int r = 0; r < RB; ++r) {
-      const A8Row row(a.xq + (r0 + r) * a.ldxq, a.K);
-      q[r] = row.q, dx[r] = row.d, ds[r] = row.ds, start[r] = a.starts ? a.starts + (r0 + r) * (a.K / 4) : nullptr;
-    }
+  static void pass(Args a, int r0) {  // rows r0 .. r0 + RB - 1
+    a.xq += r0 * a.ldxq, a.y += r0 * a.ldy;
+    if (a.starts) a.starts += r0 * (a.K / 4);
+    const TileRows<RB> rows(a);
     __m512 acc[RB][8] = {}, mins[RB] = {};  // zeros
     [[maybe_unused]] const __m512i low4 = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
     const uint8_t* t = a.group;
@@ -167,7 +161,7 @@ struct Block32Tiles : Block32Layout<Fmt> {
       const __m512 d_w = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)t));
       __m512 scale[RB];
 #pragma GCC unroll 2
-      for (int r = 0; r < RB; ++r) scale[r] = _mm512_mul_ps(d_w, _mm512_set1_ps(dx[r][kb]));
+      for (int r = 0; r < RB; ++r) scale[r] = _mm512_mul_ps(d_w, _mm512_set1_ps(rows.dx[r][kb]));
       const uint8_t* quants = t + L::kHeadBytes;
 #pragma GCC unroll 4
       for (int p = 0; p < 4; ++p) {  // weights 4p.. and 4(p + 4).. of every column
@@ -188,8 +182,8 @@ struct Block32Tiles : Block32Layout<Fmt> {
           const int j = p + 4 * h;
 #pragma GCC unroll 2
           for (int r = 0; r < RB; ++r) {
-            const __m512i lane_start = L::kOffset ? _mm512_set1_epi32(start[r][8 * kb + j]) : _mm512_setzero_si512();
-            const __m512i dot = _mm512_dpbusd_epi32(lane_start, u[h], bcast4(q[r] + 32 * kb + 4 * j));
+            const __m512i lane_start = L::kOffset ? _mm512_set1_epi32(a.starts[r * (a.K / 4) + 8 * kb + j]) : _mm512_setzero_si512();
+            const __m512i dot = _mm512_dpbusd_epi32(lane_start, u[h], bcast4(rows.q[r] + 32 * kb + 4 * j));
             acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale[r], acc[r][j]);
           }
         }
@@ -197,7 +191,7 @@ struct Block32Tiles : Block32Layout<Fmt> {
       if constexpr (L::kHasMin) {
         const __m512 m_w = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)(t + 2 * kCols)));
 #pragma GCC unroll 2
-        for (int r = 0; r < RB; ++r) mins[r] = _mm512_add_ps(mins[r], _mm512_mul_ps(m_w, _mm512_set1_ps(ds[r][kb])));
+        for (int r = 0; r < RB; ++r) mins[r] = _mm512_add_ps(mins[r], _mm512_mul_ps(m_w, _mm512_set1_ps(rows.ds[r][kb])));
       }
     }
     __m512 out[1][RB];
@@ -208,9 +202,7 @@ struct Block32Tiles : Block32Layout<Fmt> {
       out[0][r] = _mm512_add_ps(even, odd);
       if constexpr (L::kHasMin) out[0][r] = _mm512_add_ps(out[0][r], mins[r]);
     }
-    Args rows = a;
-    rows.y = a.y + r0 * a.ldy;
-    store_rows<RB, 1>(out, rows);
+    store_rows<RB, 1>(out, a);
   }
   template <int MR, int NG>
   static void tile(const Args& a) {
