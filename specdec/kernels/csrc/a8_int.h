@@ -60,15 +60,15 @@ void quantize_a8_rows(const float* x, int64_t M, int64_t K, int block, uint8_t* 
   for (int64_t i = 0; i < M; ++i) quantize_a8_row(x + i * K, K, block, out + i * a8_row_bytes(K));
 }
 
-// 8 int32 lanes, lane i = sum of u[4i..4i+3] * s[4i..4i+3] (u unsigned, s signed bytes), exact:
-// the maddubs int16 pairs cannot saturate (|u| <= 128 sign-moved or <= 31 unsigned, |s| <= 127).
-inline __m256i dot_u8_i8(__m256i u, __m256i s) {
+// 8 int32 lanes, lane i = start[i] + the sum of u[4i..4i+3] * s[4i..4i+3] (u unsigned, s signed bytes),
+// exact: the maddubs int16 pairs cannot saturate (|u| <= 128 sign-moved or <= 31 unsigned, |s| <= 127).
+inline __m256i dot_u8_i8(__m256i u, __m256i s, __m256i start = _mm256_setzero_si256()) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+  return _mm256_dpbusd_epi32(start, u, s);
 #elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+  return _mm256_dpbusd_avx_epi32(start, u, s);
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  return _mm256_add_epi32(start, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
 // acc + the products of int16 pairs and scale16 (K-quant sub-block scales), summed per int32 lane, exact.

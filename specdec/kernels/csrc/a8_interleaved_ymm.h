@@ -147,18 +147,9 @@ struct Q6KTiles : Q6KLayout {
   }
 };
 
-// 32-weight formats, 8 columns per ymm: per row, block and 4 weights the byte products with the
-// row's lane start (vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd, exact for u <= 31: Block32Layout),
-// a convert and an fma into that lane's accumulator.
-inline __m256i dot_from(__m256i start, __m256i u, __m256i x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(start, u, x);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(start, u, x);
-#else
-  return _mm256_add_epi32(start, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
-#endif
-}
+// 32-weight formats, 8 columns per ymm: per row, block and 4 weights the byte products from the
+// row's lane start (dot_u8_i8: vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd, exact for u <= 31:
+// Block32Layout), a convert and an fma into that lane's accumulator.
 
 template <typename Fmt>
 struct Block32Tiles : Block32Layout<Fmt> {
@@ -202,7 +193,7 @@ struct Block32Tiles : Block32Layout<Fmt> {
 #pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) {
           const __m256i lane_start = L::kOffset ? _mm256_set1_epi32(start[j]) : _mm256_setzero_si256();
-          const __m256i dot = dot_from(lane_start, u[j], bcast4(rows.q[r] + 32 * kb + 4 * j));
+          const __m256i dot = dot_u8_i8(u[j], bcast4(rows.q[r] + 32 * kb + 4 * j), lane_start);
           _mm256_store_ps(acc[r][j], _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, _mm256_load_ps(acc[r][j])));
         }
         if constexpr (L::kHasMin) {
