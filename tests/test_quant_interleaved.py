@@ -18,11 +18,11 @@ INTERLEAVED_TYPES = K_QUANTS + BLOCK32_TYPES
 
 
 def has_copy(library, name: str) -> bool:
-    """Whether this build interleaves `name` (the plain AVX2 build keeps Q8_0 on its raw blocks: its
-    byte products would overflow int16 on Q8_0's unsigned quants)."""
+    """Whether this build interleaves `name` (a build without VNNI keeps Q8_0 on its raw blocks: its
+    maddubs byte products would overflow int16 on Q8_0's unsigned quants)."""
     if library.interleaved_bytes(KERNEL_TYPES[name], 16, 256):
         return True
-    assert name == "Q8_0" and library.isa == "avx2", f"{name} has no interleaved copy on {library.isa}"
+    assert name == "Q8_0" and not library.a8_vnni, f"{name} has no interleaved copy on {library.isa}"
     return False
 
 
