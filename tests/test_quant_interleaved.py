@@ -120,6 +120,8 @@ def test_gguf_linear_runs_int8_layers_on_the_copy(library):
         blocks = random_blocks(name, 33, in_features, seed=43)
         layer = GGUFLinear(blocks, qtype, in_features, None, backend, activations="int8")
         assert layer.interleaved_weight is not None and "interleaved" in repr(layer)
+        # a copy this small sits in ordinary pages: a 2 MiB huge page would hold it whole
+        assert layer.interleaved_weight.untyped_storage().nbytes() < 2 * 1024 * 1024
         x = torch.randn(INTERLEAVED_ROWS_OVER_AMX + 3, in_features)
         assert torch.equal(layer(x), library.linear_gguf_a8(x, blocks, qtype, None, 2))
         assert GGUFLinear(blocks, qtype, in_features, None, backend).interleaved_weight is None  # fp32 activations

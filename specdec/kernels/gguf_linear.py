@@ -88,6 +88,15 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     return whole[start:start + nbytes]
 
 
+def aligned_buffer(nbytes: int, alignment: int = 64) -> torch.Tensor:
+    """An uninitialised uint8 tensor [nbytes] starting on an `alignment`-byte boundary (ordinary
+    pages). For copies smaller than a huge page: huge_page_buffer rounds each to a whole 2 MiB page
+    once the kernel touches it (a 128 x 896 Q5_0 copy of 4 KB would hold 2 MiB)."""
+    whole = torch.empty(nbytes + alignment, dtype=torch.uint8)
+    start = -whole.data_ptr() % alignment
+    return whole[start:start + nbytes]
+
+
 def _checked_blocks(blocks: torch.Tensor, ggml_type: int, in_features: int, backend: CppSkinnyLinear) -> None:
     name = type_name(ggml_type)
     layout = backend.library.block_layout(ggml_type)
@@ -144,7 +153,7 @@ class GGUFLinear(nn.Module):
         nbytes = library.interleaved_bytes(self.ggml_type, self.out_features, self.in_features)
         if not nbytes or not library.interleave_weights:
             return None
-        packed = huge_page_buffer(nbytes)  # 2 MiB aligned, so 64-byte aligned
+        packed = huge_page_buffer(nbytes) if nbytes >= _HUGE_PAGE else aligned_buffer(nbytes)
         library.interleave(self.weight, self.ggml_type, self.in_features, packed)
         return packed
 
