@@ -176,21 +176,22 @@ struct Block32Layout {
 #else
   static constexpr bool kAvailable = kNibbles;  // Q8_0's u reaches 255; the others' 31
 #endif
-  static void repack(const uint8_t* b, int c, uint8_t* t) {
+  static void repack(const uint8_t* b, int c, uint8_t* t) {  // t zeroed
     std::memcpy(t + 2 * c, b, 2);
     if constexpr (kHasMin) std::memcpy(t + 2 * kCols + 2 * c, b + 2, 2);
-    alignas(32) uint8_t q[32];
-    _mm256_store_si256((__m256i*)q, Fmt::quants32(b, 0));  // the 32 quants in order (signed formats: q)
+    alignas(32) uint32_t u[8];  // u[j]: the unsigned quants of weights 4j..4j+3, a byte each
+    _mm256_store_si256((__m256i*)u, _mm256_add_epi8(Fmt::quants32(b, 0), _mm256_set1_epi8((char)kOffset)));
     uint8_t* quants = t + kHeadBytes;
-    for (int j = 0; j < 8; ++j)
-      for (int i = 0; i < 4; ++i) {
-        const int lane = 4 * c + i, u = (uint8_t)(q[4 * j + i] + kOffset);
-        if constexpr (!kNibbles) {
-          quants[4 * kCols * j + lane] = (uint8_t)u;
-        } else {
-          quants[4 * kCols * (j % 4) + lane] |= (uint8_t)((u & 0xF) << (4 * (j / 4)));
-          if constexpr (kFifthBit) quants[kQuantBytes + kCols / 2 * j + lane / 8] |= (uint8_t)(((u >> 4) & 1) << (lane % 8));
-        }
+    for (int j = 0; j < (kNibbles ? 4 : 8); ++j) {
+      // each byte <= 15 after the mask, so the shift moves nibbles within their bytes
+      const uint32_t word = kNibbles ? (u[j] & 0x0F0F0F0Fu) | (u[j + 4] & 0x0F0F0F0Fu) << 4 : u[j];
+      std::memcpy(quants + 4 * kCols * j + 4 * c, &word, 4);
+    }
+    if constexpr (kFifthBit)  // plane j, bits 4c..4c+3: byte c / 2, nibble c % 2
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t high = (u[j] >> 4) & 0x01010101u;  // the fifth bit of each byte, at its bit 0
+        const uint32_t nibble = (high | high >> 7 | high >> 14 | high >> 21) & 0xFu;
+        quants[kQuantBytes + kCols / 2 * j + c / 2] |= (uint8_t)(nibble << (4 * (c % 2)));
       }
   }
 };
