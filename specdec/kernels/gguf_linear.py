@@ -39,7 +39,7 @@ ACTIVATIONS = ("fp32", "int8")  # GGUFLinear's activation modes: exact fp32, or 
 # gguf-a8, 2 threads, copy vs AMX: 177 vs 198 ms at 24 rows, 231 vs 216 at 32; docs/performance.md). The fewest:
 # the library's interleaved_min_rows (fewer rows stream the raw blocks as fast or faster).
 INTERLEAVED_ROWS_OVER_AMX = 24
-AMX_TYPES = frozenset({12, 13, 14})  # the formats with AMX tiles (csrc/amx.cpp): Q4_K, Q5_K, Q6_K
+AMX_TYPES = frozenset(KERNEL_TYPES[name] for name in ("Q4_K", "Q5_K", "Q6_K"))  # the formats csrc/amx.cpp runs
 
 
 def type_name(ggml_type: int) -> str:
@@ -138,8 +138,8 @@ class GGUFLinear(nn.Module):
         self.out_features = blocks.shape[0]
         self.activations = activations
         # int8 mode, Q4_K / Q6_K and the 32-weight formats: the blocks interleaved 16 (AVX-512 VNNI) or
-        # 8 output columns wide (csrc/a8_interleaved.cpp), the same bits at fewer instructions per verify
-        # row (K-quants) or without the raw tiles' decode (32-weight formats, from 8 rows). A second
+        # 8 output columns wide (csrc/a8_interleaved.cpp), the same bits at fewer instructions per row
+        # (from the library's interleaved_min_rows: K-quants 2-3 rows, Q8_0 8, the 4/5-bit formats 1). A second
         # copy of the bytes: `weight` stays the file's blocks (tying, lookups, fp32_weight, exports,
         # fewer rows, and AMX tiles past INTERLEAVED_ROWS_OVER_AMX rows read them).
         self.interleaved_weight = self._interleaved() if activations == "int8" else None
