@@ -93,13 +93,11 @@ def compare(reference: torch.Tensor, candidate: torch.Tensor, ids: torch.Tensor)
 
 def set_activations(model: torch.nn.Module, activations: str) -> int:
     """Switch every GGUFLinear in `model` to `activations` ("fp32" or "int8"); returns how many."""
-    from specdec.kernels.gguf_linear import ACTIVATIONS, GGUFLinear
+    from specdec.kernels.gguf_linear import GGUFLinear
 
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     linears = [module for module in model.modules() if isinstance(module, GGUFLinear)]
     for module in linears:
-        module.activations = activations
+        module.set_activations(activations)  # checks the value; builds or drops the interleaved copy
     return len(linears)
 
 

@@ -125,6 +125,10 @@ def test_gguf_linear_runs_int8_layers_on_the_copy(library):
         x = torch.randn(INTERLEAVED_ROWS_OVER_AMX + 3, in_features)
         assert torch.equal(layer(x), library.linear_gguf_a8(x, blocks, qtype, None, 2))
         assert GGUFLinear(blocks, qtype, in_features, None, backend).interleaved_weight is None  # fp32 activations
+        layer.set_activations("fp32")  # switching modes drops the copy, and back builds it again
+        assert layer.interleaved_weight is None and torch.equal(layer(x), library.linear_gguf(x, blocks, qtype, None, 2))
+        layer.set_activations("int8")
+        assert layer.interleaved_weight is not None and torch.equal(layer(x), library.linear_gguf_a8(x, blocks, qtype, None, 2))
     q5k = random_blocks("Q5_K", 33, in_features, seed=44)
     assert GGUFLinear(q5k, KERNEL_TYPES["Q5_K"], in_features, None, backend, activations="int8").interleaved_weight is None
     assert library.interleaved_bytes(KERNEL_TYPES["Q4_K"], 33, 288) == 0  # K not a multiple of 256

@@ -127,8 +127,6 @@ class GGUFLinear(nn.Module):
     def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None = None,
                  backend: CppSkinnyLinear | None = None, activations: str = "fp32"):
         super().__init__()
-        if activations not in ACTIVATIONS:
-            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         self.backend = backend or CppSkinnyLinear()
         _checked_blocks(blocks, ggml_type, in_features, self.backend)
         self.weight = _as_parameter(blocks)  # [out, in / block * bytes] uint8; tied weights share it
@@ -136,12 +134,17 @@ class GGUFLinear(nn.Module):
         self.ggml_type = int(ggml_type)
         self.in_features = in_features
         self.out_features = blocks.shape[0]
+        self.set_activations(activations)
+
+    def set_activations(self, activations: str) -> None:
+        """Run on fp32 activations (exact) or int8 ones (the gguf-a8 mode). int8 layers of the formats the
+        library interleaves also hold the blocks interleaved 16 (AVX-512 VNNI) or 8 output columns wide
+        (csrc/a8_interleaved.cpp: the same bits at fewer instructions per row), run from the library's
+        `interleaved_min_rows(type)` rows on; `weight` stays the file's blocks (tying, lookups,
+        fp32_weight, exports, fewer rows, and AMX tiles past INTERLEAVED_ROWS_OVER_AMX rows read them)."""
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         self.activations = activations
-        # int8 mode, Q4_K / Q6_K and the 32-weight formats: the blocks interleaved 16 (AVX-512 VNNI) or
-        # 8 output columns wide (csrc/a8_interleaved.cpp), the same bits at fewer instructions per row
-        # (from the library's interleaved_min_rows: K-quants 2-3 rows, Q8_0 8, the 4/5-bit formats 1). A second
-        # copy of the bytes: `weight` stays the file's blocks (tying, lookups, fp32_weight, exports,
-        # fewer rows, and AMX tiles past INTERLEAVED_ROWS_OVER_AMX rows read them).
         self.interleaved_weight = self._interleaved() if activations == "int8" else None
         # (fewest rows on the copy, most rows on it where AMX tiles run this format, or None)
         self._copy_rows = None if self.interleaved_weight is None else (
@@ -167,7 +170,7 @@ class GGUFLinear(nn.Module):
             if not x.is_contiguous():
                 x = x.contiguous()
             library = self.backend.library
-            if self.interleaved_weight is not None and self.activations == "int8":  # (scripts may switch modes)
+            if self.interleaved_weight is not None:
                 rows, (fewest, most_over_amx) = x.numel() // self.in_features, self._copy_rows
                 if rows >= fewest and (most_over_amx is None or rows <= most_over_amx or not library.amx):
                     return library.linear_interleaved_a8(x, self.interleaved_weight, self.out_features, self.ggml_type,
