@@ -120,6 +120,10 @@ class KVCache:
         return self.lengths.shape[0]
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self._store.dtype
+
+    @property
     def num_layers(self) -> int:
         return self._store.num_layers
 
@@ -181,10 +185,7 @@ class KVCache:
         first = int(starts[0])
         # one sequence (every decode / verify step of a single request): its length is the offset
         uniform = self.batch_size == 1 or bool((starts == first).all())
-        span = (first if uniform else int(starts.max())) + num_new
-        if span > self._store.capacity or self._first_row + self.batch_size > self._store.rows:
-            self.reserve(span)
-        keys, values = self._layer(self._store.keys, layer), self._layer(self._store.values, layer)
+        keys, values, span = self.layer_for_write(layer, num_new, (first if uniform else int(starts.max())) + num_new)
         if uniform:  # the common case: one slice for the whole batch
             keys[:, :, first : first + num_new] = new_keys
             values[:, :, first : first + num_new] = new_values
@@ -193,6 +194,16 @@ class KVCache:
                 keys[row, :, start : start + num_new] = new_keys[row]
                 values[row, :, start : start + num_new] = new_values[row]
         return keys[:, :, :span], values[:, :, :span]
+
+    def layer_for_write(self, layer: int, num_new: int, span: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Where `write` puts `num_new` tokens, for a kernel that writes them itself: the layer's keys /
+        values `[B, H_kv, capacity, D]` with room for them after every row's committed slots (rows
+        start at `lengths`), and the span S = max(lengths) + num_new that attention then reads."""
+        if span is None:
+            span = int(self.lengths.max()) + num_new
+        if span > self._store.capacity or self._first_row + self.batch_size > self._store.rows:
+            self.reserve(span)
+        return self._layer(self._store.keys, layer), self._layer(self._store.values, layer), span
 
     def advance(self, num_new: int) -> None:
         self.lengths += num_new

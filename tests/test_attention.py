@@ -105,6 +105,84 @@ def test_autograd_and_other_dtypes_fall_back_to_torch(backend):
     assert half.dtype == torch.bfloat16
 
 
+def test_attention_step_is_the_ops_one_by_one(backend):
+    """A layer's attention step in one call (rotary of q and k, the KV cache write, attention in the
+    o projection's layout) gives the bits and the cache of rotary, KVCache.write and attention run one
+    by one, for a ragged batch (rows at different lengths) under a mask, and for one row without one."""
+    from specdec.kernels.backends import composed_attention_step
+    from specdec.kv_cache import KVCache
+    from specdec.models.llama import rotary_cos_sin
+
+    generator = torch.Generator().manual_seed(7)
+    batch, new, heads, kv_heads, head_dim = 2, 3, 6, 2, 20
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+
+    def caches():
+        made = []
+        for _ in range(2):
+            cache = KVCache(2, batch, kv_heads, head_dim, 64)
+            cache.reserve(20)
+            for layer in range(2):
+                cache.keys[layer].copy_(torch.randn(cache.keys[layer].shape, generator=torch.Generator().manual_seed(layer)))
+                cache.values[layer].copy_(torch.randn(cache.values[layer].shape, generator=torch.Generator().manual_seed(9 + layer)))
+            cache.lengths.copy_(torch.tensor([11, 8]))  # ragged: row 1 is shorter
+            made.append(cache)
+        return made
+
+    q = torch.randn(batch, new, heads, head_dim, generator=generator)
+    k, v = (torch.randn(batch, new, kv_heads, head_dim, generator=generator) for _ in range(2))
+    positions = torch.tensor([[11, 12, 12], [8, 9, 10]])  # row 0 a tree (two children of one node)
+    cos, sin = rotary_cos_sin(positions, inv_freq, 1.0, torch.float32)  # [B, 1, T, D]
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    mask = caches()[0].attention_mask(new, torch.stack([tree, torch.ones(new, new, dtype=torch.bool).tril()]))  # [B, 1, T, 14]
+    fused_cache, composed_cache = caches()
+    fused = backend.attention_step(q, k, v, cos, sin, fused_cache, 1, mask)
+    composed = composed_attention_step(backend, q, k, v, cos, sin, composed_cache, 1, mask)
+    assert fused.shape == (batch, new, heads * head_dim) and torch.equal(fused, composed)
+    for mine, theirs in zip(fused_cache.keys + fused_cache.values, composed_cache.keys + composed_cache.values):
+        assert torch.equal(mine, theirs)
+    reference = F.scaled_dot_product_attention(backend.rotary(q, cos, sin), fused_cache.keys[1][:, :, :14],
+                                               fused_cache.values[1][:, :, :14], attn_mask=mask, enable_gqa=True)
+    assert_close_to_scale(fused, reference.transpose(1, 2).reshape(batch, new, -1), rel=1e-5, what="attention step")
+    # one row, one token, no mask (a decode step), on a row view of the cache
+    one, other = caches()
+    row_one, row_other = one.rows(1, 2), other.rows(1, 2)
+    step = backend.attention_step(q[1:, :1], k[1:, :1], v[1:, :1], cos[1:, :, :1], sin[1:, :, :1], row_one, 0, None)
+    assert torch.equal(step, composed_attention_step(backend, q[1:, :1], k[1:, :1], v[1:, :1], cos[1:, :, :1],
+                                                     sin[1:, :, :1], row_other, 0, None))
+    assert torch.equal(one.keys[0], other.keys[0]) and torch.equal(one.values[0], other.values[0])
+
+
+def test_rms_norm_kernel_is_close_to_torch_and_batch_invariant(backend):
+    """The kernel's RMSNorm (its own fixed order) is torch's to rounding, a row alone has the bits it
+    has in a batch, the residual add before it is torch's add bit for bit, and bf16 / autograd go to torch."""
+    from specdec.kernels.backends import rms_norm
+
+    generator = torch.Generator().manual_seed(4)
+    for hidden in (1536, 896, 20):  # 20: a 16-wide chunk and a scalar tail
+        x = torch.randn(3, 5, hidden, generator=generator) * 4
+        delta = torch.randn(3, 5, hidden, generator=generator)
+        weight = torch.rand(hidden, generator=generator) + 0.5
+        with torch.inference_mode():
+            normed = backend.rms_norm(x, weight, 1e-6)
+            assert_close_to_scale(normed, rms_norm(x, weight, 1e-6), rel=1e-6, what=f"rms_norm {hidden}")
+            assert torch.equal(backend.rms_norm(x[1, 2:3], weight, 1e-6), normed[1, 2:3])
+            summed, added_normed = backend.add_rms_norm(x, delta, weight, 1e-6)
+            assert torch.equal(summed, x + delta) and torch.equal(added_normed, backend.rms_norm(x + delta, weight, 1e-6))
+    half = backend.rms_norm(x.bfloat16(), weight.bfloat16(), 1e-6)
+    assert half.dtype == torch.bfloat16
+    trained = weight.clone().requires_grad_(True)
+    backend.rms_norm(x, trained, 1e-6).sum().backward()  # torch's ops ran: they have a backward
+    assert trained.grad is not None
+
+
+def test_rms_norm_bits_are_the_same_on_both_builds():
+    x, weight = torch.randn(4, 1000) * 3, torch.rand(1000) + 0.5  # 1000: a tail after 62 chunks of 16
+    avx512, avx2 = isa_backend("avx512"), isa_backend("avx2")
+    with torch.inference_mode():
+        assert torch.equal(avx512.rms_norm(x, weight, 1e-5), avx2.rms_norm(x, weight, 1e-5))
+
+
 # ----------------------------------------------------------------------------- whole model
 PROMPT = "The quick brown fox jumps over the lazy dog because it wants to see what is on the other side"
 

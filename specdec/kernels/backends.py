@@ -60,6 +60,46 @@ def sdpa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ma
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as torch computes it: x [..., H], weight [H] -> [..., H]."""
+    # normalise in fp32 like the reference implementation, then cast back
+    if x.dtype is not torch.float32 or torch.is_grad_enabled():
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
+    # fp32 inference: the same operations, so the same bits, in place on the temporaries: two casts
+    # and three allocations fewer per norm
+    scale = x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()  # [..., 1]
+    return (x * scale).mul_(weight)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm: (x + delta, rms_norm(x + delta)), [..., H] each."""
+    summed = x + delta
+    return summed, rms_norm(summed, weight, eps)
+
+
+def separate_linears(x: torch.Tensor, layers) -> list[torch.Tensor]:
+    """Each layer on the same x, one call each: [layer(x) for layer in layers]."""
+    return [layer(x) for layer in layers]
+
+
+def separate_gate_up_silu(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> torch.Tensor:
+    """The SwiGLU MLP's silu(gate(x)) * up(x) by torch's ops."""
+    if torch.is_grad_enabled():
+        return F.silu(gate(x)) * up(x)
+    return F.silu(gate(x)).mul_(up(x))  # the product in place on silu's own temporary
+
+
+def composed_attention_step(kernels, q, k, v, cos, sin, cache, layer: int, mask) -> torch.Tensor:
+    """A layer's attention after its projections, op by op on any backend: q [B, T, H, D], k / v
+    [B, T, H_kv, D]; rotated k and v written into `cache`'s `layer`, then `kernels.attention` over it
+    -> [B, T, H * D] (o_proj's input)."""
+    keys, values = cache.write(layer, kernels.rotary(k, cos, sin), v.transpose(1, 2))  # [B, H_kv, S, D]
+    out = kernels.attention(kernels.rotary(q, cos, sin), keys, values, mask)  # [B, H, T, D]
+    return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
+
+
 class TorchLinear:
     """F.linear: plain nn.Linear behaviour (MKL/oneDNN). Fast, not batch invariant."""
 
@@ -79,6 +119,11 @@ class TorchLinear:
 
     attention = staticmethod(sdpa_attention)
     rotary = staticmethod(torch_rotary)
+    rms_norm = staticmethod(rms_norm)
+    add_rms_norm = staticmethod(add_rms_norm)
+    attention_step = composed_attention_step
+    linears = staticmethod(separate_linears)
+    gate_up_silu = staticmethod(separate_gate_up_silu)
 
 
 class RowwiseTorchLinear:
@@ -87,6 +132,11 @@ class RowwiseTorchLinear:
     name = "rowwise"
     attention = staticmethod(sdpa_attention)
     rotary = staticmethod(torch_rotary)
+    rms_norm = staticmethod(rms_norm)
+    add_rms_norm = staticmethod(add_rms_norm)
+    attention_step = composed_attention_step
+    linears = staticmethod(separate_linears)
+    gate_up_silu = staticmethod(separate_gate_up_silu)
 
     def __init__(self, compiler: str | None = None):
         pass
@@ -135,8 +185,57 @@ class _CompiledBackend:
             return torch_rotary(x, cos, sin)
         return self.library.rotary(x, cos, sin)
 
+    def attention_step(self, q, k, v, cos, sin, cache, layer: int, mask) -> torch.Tensor:
+        """composed_attention_step's result (bitwise) in one kernel call for fp32 CPU inference: q
+        [B, T, H, D], k / v [B, T, H_kv, D] -> [B, T, H * D]; anything else op by op."""
+        batch, num_new, _, head_dim = q.shape
+        if _fp32_inference(q, k, v, cos, sin) and not head_dim % 2 and cos.shape == (batch, 1, num_new, head_dim) \
+                and sin.shape == cos.shape and cache.dtype is _FP32:
+            keys, values, span = cache.layer_for_write(layer, num_new)
+            if keys.stride() == values.stride() and keys.stride()[2:] == (head_dim, 1):
+                return self.library.attention_step(q, k, v, cos, sin, keys, values, cache.lengths, span, mask)
+        return composed_attention_step(self, q, k, v, cos, sin, cache, layer, mask)
+
+    def linears(self, x: torch.Tensor, layers) -> list[torch.Tensor]:
+        """[layer(x) for layer in layers], bitwise, in one kernel call where they are three GGUF linears
+        the kernel runs on x (a layer's q / k / v); otherwise one call each."""
+        if len(layers) == 3 and all(getattr(layer, "runs_in_kernel", None) and layer.runs_in_kernel(x) for layer in layers):
+            x = x.contiguous()
+            rows = x.numel() // x.shape[-1]
+            return self.library.linear3(x, [layer.route(rows) for layer in layers], self.library.threads())
+        return separate_linears(x, layers)
+
+    def gate_up_silu(self, x: torch.Tensor, gate: nn.Module, up: nn.Module) -> torch.Tensor:
+        """silu(gate(x)) * up(x) in one kernel call for two GGUF linears the kernel runs on x (its own
+        exp: close to torch's silu, not its bits); otherwise torch's."""
+        if all(getattr(layer, "runs_in_kernel", None) and layer.runs_in_kernel(x) for layer in (gate, up)) \
+                and gate.out_features == up.out_features:
+            x = x.contiguous()
+            rows = x.numel() // x.shape[-1]
+            return self.library.gate_up_silu(x, gate.route(rows), up.route(rows), self.library.threads())
+        return separate_gate_up_silu(x, gate, up)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm in the kernel for fp32 CPU inference (its own fixed order: csrc/norm.cpp), else torch's."""
+        if not (_fp32_inference(x, weight) and x.is_contiguous() and weight.is_contiguous()):
+            return rms_norm(x, weight, eps)
+        return self.library.rms_norm(x, weight, eps)[1]
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+        """(x + delta, its RMSNorm) in one kernel pass for fp32 CPU inference, else torch's."""
+        if not (_fp32_inference(x, delta, weight) and x.shape == delta.shape and x.is_contiguous()
+                and delta.is_contiguous() and weight.is_contiguous()):
+            return add_rms_norm(x, delta, weight, eps)
+        return self.library.rms_norm(x, weight, eps, delta)
+
     def __reduce__(self):
         return (type(self), self._options)
+
+
+def _fp32_inference(*tensors: torch.Tensor) -> bool:
+    """Every tensor fp32 on the CPU and no autograd through them (the kernels have no backward)."""
+    grad = torch.is_grad_enabled()
+    return all(t.dtype is _FP32 and t.is_cpu and not (grad and t.requires_grad) for t in tensors)
 
 
 class CppSkinnyLinear(_CompiledBackend):

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backends import CppSkinnyLinear
+from .library import ROUTE_A8, ROUTE_EXACT, ROUTE_INTERLEAVED_A8
 
 # The GGUF block types the kernel computes on (ggml type ids, as gguf.GGMLQuantizationType).
 KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
@@ -160,27 +161,38 @@ class GGUFLinear(nn.Module):
         library.interleave(self.weight, self.ggml_type, self.in_features, packed)
         return packed
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+    def runs_in_kernel(self, x: torch.Tensor) -> bool:
+        """Whether forward(x) runs in the kernel: fp32 CPU inference with x of this layer's width."""
         bias = self.bias
-        if (
+        return (
             x.dtype is _FP32 and x.is_cpu and x.shape[-1] == self.in_features and x.numel() > 0
             and not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))
             and (bias is None or (bias.dtype is _FP32 and bias.is_contiguous()))
-        ):  # fmt: skip
+        )  # fmt: skip
+
+    def route(self, rows: int) -> tuple[int, torch.Tensor, int, int, torch.Tensor | None]:
+        """How the kernel runs `rows` rows: (route id, weight it reads, out_features, ggml type, bias), as
+        SkinnyGemmLibrary.linear_routed takes them. The interleaved copy from the library's
+        interleaved_min_rows(type) rows (and past INTERLEAVED_ROWS_OVER_AMX rows only where AMX is off),
+        else the blocks as stored."""
+        if self.interleaved_weight is not None:
+            fewest, most_over_amx = self._copy_rows
+            if rows >= fewest and (most_over_amx is None or rows <= most_over_amx or not self.backend.library.amx):
+                return ROUTE_INTERLEAVED_A8, self.interleaved_weight, self.out_features, self.ggml_type, self.bias
+        route = ROUTE_A8 if self.activations == "int8" else ROUTE_EXACT
+        return route, self.weight, self.out_features, self.ggml_type, self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        if self.runs_in_kernel(x):
             if not x.is_contiguous():
                 x = x.contiguous()
             library = self.backend.library
-            if self.interleaved_weight is not None:
-                rows, (fewest, most_over_amx) = x.numel() // self.in_features, self._copy_rows
-                if rows >= fewest and (most_over_amx is None or rows <= most_over_amx or not library.amx):
-                    return library.linear_interleaved_a8(x, self.interleaved_weight, self.out_features, self.ggml_type,
-                                                         bias, library.threads())
-            kernel = library.linear_gguf_a8 if self.activations == "int8" else library.linear_gguf
-            return kernel(x, self.weight, self.ggml_type, bias, library.threads())
+            route, weight, out_features, ggml_type, bias = self.route(x.numel() // self.in_features)
+            return library.linear_routed(route, x, weight, out_features, ggml_type, bias, library.threads())
         # other dtypes, autograd, empty or mis-shaped input: F.linear on a temporary dense copy
         # (fp32 activations also in int8 mode: autograd through the a8 rounding has no use)
         weight = self.fp32_weight().to(x.dtype)
-        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+        return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
 
     def fp32_weight(self) -> torch.Tensor:
         """The dequantized matrix [out, in] fp32 (a new tensor each call)."""

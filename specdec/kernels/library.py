@@ -38,6 +38,10 @@ _GGUF_LINEAR = (
     _ptr, _i64, _int, _ptr,  # blocks, N, ggml type, bias
     _ptr, _int,  # y, threads
 )  # fmt: skip
+# The entry points a GGUF linear runs on, by route id (GGUFLinear.route picks one; csrc/layer.cpp's Route)
+ROUTES = ("sg_linear_gguf", "sg_linear_gguf_a8", "sg_linear_interleaved_a8")
+ROUTE_EXACT, ROUTE_A8, ROUTE_INTERLEAVED_A8 = range(3)
+_ROUTED_LINEAR = (_int, _ptr, _i64, _int, _ptr, _ptr)  # route, weight, N, ggml type, bias, y
 # every exported function: name -> (restype, argtypes)
 SIGNATURES = {
     "sg_isa": (ctypes.c_char_p, ()),
@@ -55,6 +59,13 @@ SIGNATURES = {
     )),
     "sg_linear_gguf": (_int, _GGUF_LINEAR),
     "sg_linear_gguf_a8": (_int, _GGUF_LINEAR),
+    "sg_linear3": (_int, (_ptr, _i64, _i64, *_ROUTED_LINEAR * 3, _int)),  # x, M, K, 3 linears, threads
+    "sg_gate_up_silu": (_int, (
+        _ptr, _i64, _i64,  # x, M, K
+        _int, _ptr, _int, _ptr,  # gate: route, weight, ggml type, bias
+        _int, _ptr, _int, _ptr,  # up: route, weight, ggml type, bias
+        _i64, _ptr, _ptr, _int,  # N, y, scratch, threads
+    )),
     "sg_interleaved_cols": (_int, ()),
     "sg_interleaved_min_rows": (_int, (_int,)),  # ggml type
     "sg_interleaved_bytes": (_i64, (_int, _i64, _i64)),  # ggml type, N, K
@@ -75,6 +86,17 @@ SIGNATURES = {
         _ptr, _i64, _i64, _i64,  # mask, B, H, Hkv
         _i64, _i64, _i64, ctypes.c_float,  # T, S, D, scale
         _ptr, _int,  # out, threads
+    )),
+    "sg_attention_step": (_int, (
+        _ptr, _ptr, _ptr, _ptr, _ptr,  # q, k, v, cos, sin
+        _ptr, _ptr, _i64, _i64, _ptr,  # cache keys, cache values, their strides, starts (int64)
+        _ptr, _i64, _i64, _i64,  # mask, B, H, Hkv
+        _i64, _i64, _i64, ctypes.c_float,  # T, S, D, scale
+        _ptr, _int,  # out, threads
+    )),
+    "sg_rms_norm": (_int, (
+        _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float,  # x, delta, weight, M, H, eps
+        _ptr, _ptr,  # sum, normed
     )),
     "sg_rotary": (_int, (
         _ptr, _ptr, _ptr,  # x, cos, sin
@@ -100,7 +122,7 @@ class SkinnyGemmLibrary:
             raise KernelUnavailable(f"cannot load {path}: {exc}") from exc
         self._lib = lib
         self._linear = lib.sg_linear_f32
-        self._linear_gguf = lib.sg_linear_gguf
+        self._routes = tuple(getattr(lib, name) for name in ROUTES)  # indexed by route id
         self._linear_i8 = lib.sg_linear_i8
         self._attention = lib.sg_attention
         self.vector_width = int(lib.sg_vector_width())
@@ -187,29 +209,59 @@ class SkinnyGemmLibrary:
         self, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, bias: torch.Tensor | None, num_threads: int
     ) -> torch.Tensor:
         """x [..., K] fp32, blocks [N, K / block * bytes] uint8 (GGUF rows) -> x @ dequantize(blocks).T + bias."""
-        in_features = x.shape[-1]
-        out = torch.empty(x.shape[:-1] + (blocks.shape[0],), dtype=torch.float32)  # [..., N]
-        status = self._linear_gguf(
-            x.data_ptr(), x.numel() // in_features, in_features, blocks.data_ptr(), blocks.shape[0], ggml_type,
-            None if bias is None else bias.data_ptr(), out.data_ptr(), num_threads,
-        )  # fmt: skip
-        if status != 0:
-            raise RuntimeError(f"GGUF kernel rejected x {tuple(x.shape)}, blocks {tuple(blocks.shape)} of type {ggml_type}")
-        return out
+        return self.linear_routed(ROUTE_EXACT, x, blocks, blocks.shape[0], ggml_type, bias, num_threads)
 
     def linear_gguf_a8(
         self, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, bias: torch.Tensor | None, num_threads: int
     ) -> torch.Tensor:
         """As linear_gguf with x quantized to int8 per block of 32 (`quantize_a8`) and integer dot
         products: the int8-activation mode, lossy vs fp32 activations, batch invariant."""
+        return self.linear_routed(ROUTE_A8, x, blocks, blocks.shape[0], ggml_type, bias, num_threads)
+
+    def linear_routed(
+        self, route: int, x: torch.Tensor, weight: torch.Tensor, out_features: int, ggml_type: int,
+        bias: torch.Tensor | None, num_threads: int,
+    ) -> torch.Tensor:
+        """A GGUF linear through the entry point `route` picks (ROUTES): x [..., K] fp32 -> [..., N]."""
         in_features = x.shape[-1]
-        out = torch.empty(x.shape[:-1] + (blocks.shape[0],), dtype=torch.float32)  # [..., N]
-        status = self._lib.sg_linear_gguf_a8(
-            x.data_ptr(), x.numel() // in_features, in_features, blocks.data_ptr(), blocks.shape[0], ggml_type,
+        out = torch.empty(x.shape[:-1] + (out_features,), dtype=torch.float32)  # [..., N]
+        status = self._routes[route](
+            x.data_ptr(), x.numel() // in_features, in_features, weight.data_ptr(), out_features, ggml_type,
             None if bias is None else bias.data_ptr(), out.data_ptr(), num_threads,
         )  # fmt: skip
         if status != 0:
-            raise RuntimeError(f"GGUF a8 kernel rejected x {tuple(x.shape)}, blocks {tuple(blocks.shape)} of type {ggml_type}")
+            raise RuntimeError(f"{ROUTES[route]} rejected x {tuple(x.shape)} for {out_features} outputs of type {ggml_type}")
+        return out
+
+    def linear3(self, x: torch.Tensor, calls, num_threads: int) -> list[torch.Tensor]:
+        """Three GGUF linears of one x [..., K] in one call (csrc/layer.cpp), each as linear_routed
+        computes it: `calls` = three (route, weight, out_features, ggml_type, bias) -> three [..., N_i]."""
+        in_features = x.shape[-1]
+        outs = [torch.empty(x.shape[:-1] + (call[2],), dtype=torch.float32) for call in calls]  # [..., N_i]
+        args = []
+        for (route, weight, out_features, ggml_type, bias), out in zip(calls, outs):
+            args += (route, weight.data_ptr(), out_features, ggml_type, None if bias is None else bias.data_ptr(),
+                     out.data_ptr())
+        status = self._lib.sg_linear3(x.data_ptr(), x.numel() // in_features, in_features, *args, num_threads)
+        if status != 0:
+            raise RuntimeError(f"sg_linear3 rejected x {tuple(x.shape)} for outputs {[call[2] for call in calls]}")
+        return outs
+
+    def gate_up_silu(self, x: torch.Tensor, gate, up, num_threads: int) -> torch.Tensor:
+        """silu(gate(x)) * up(x) in one call: gate / up = (route, weight, out_features, ggml_type, bias)
+        as linear_routed takes them (same out_features) -> [..., N]. The projections' bits are
+        linear_routed's; silu is x / (1 + exp(-x)) with csrc/layer.cpp's exp, the same bits on every build."""
+        in_features, out_features = x.shape[-1], gate[2]
+        out = torch.empty(x.shape[:-1] + (out_features,), dtype=torch.float32)  # [..., N]
+        scratch = torch.empty_like(out)  # the up projection
+        status = self._lib.sg_gate_up_silu(
+            x.data_ptr(), x.numel() // in_features, in_features,
+            gate[0], gate[1].data_ptr(), gate[3], None if gate[4] is None else gate[4].data_ptr(),
+            up[0], up[1].data_ptr(), up[3], None if up[4] is None else up[4].data_ptr(),
+            out_features, out.data_ptr(), scratch.data_ptr(), num_threads,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"sg_gate_up_silu rejected x {tuple(x.shape)} for {out_features} outputs")
         return out
 
     def interleaved_bytes(self, ggml_type: int, out_features: int, in_features: int) -> int:
@@ -235,15 +287,7 @@ class SkinnyGemmLibrary:
         num_threads: int,
     ) -> torch.Tensor:
         """linear_gguf_a8 with the weights as `interleave` left them: bitwise the same result."""
-        in_features = x.shape[-1]
-        out = torch.empty(x.shape[:-1] + (out_features,), dtype=torch.float32)  # [..., N]
-        status = self._lib.sg_linear_interleaved_a8(
-            x.data_ptr(), x.numel() // in_features, in_features, packed.data_ptr(), out_features, ggml_type,
-            None if bias is None else bias.data_ptr(), out.data_ptr(), num_threads,
-        )  # fmt: skip
-        if status != 0:
-            raise RuntimeError(f"interleaved a8 kernel rejected x {tuple(x.shape)} for {out_features} outputs of type {ggml_type}")
-        return out
+        return self.linear_routed(ROUTE_INTERLEAVED_A8, x, packed, out_features, ggml_type, bias, num_threads)
 
     @property
     def a8_vnni(self) -> bool:
@@ -305,6 +349,48 @@ class SkinnyGemmLibrary:
         if status != 0:
             raise RuntimeError(f"attention kernel rejected q {tuple(q.shape)} keys {tuple(keys.shape)}")
         return out
+
+    def attention_step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor, span: int, mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """A layer's attention after its projections, in one call: q [B, T, H, D], k / v [B, T, H_kv, D]
+        fp32; cos / sin [B, 1, T, D]; keys / values [B, H_kv, capacity, D] the layer's cache (same
+        strides, rows of D contiguous), starts [B] int64 each row's first new slot, `span` the slots
+        attention reads (max(starts) + T), mask [B, 1, T, span] bool or None -> [B, T, H * D].
+        k rotated and v are stored at slots starts + t, then attention(rotary(q), the first `span` slots):
+        rotary, the cache write and `attention` one by one give the same bits."""
+        batch, num_new, heads, head_dim = q.shape
+        kv_heads = k.shape[2]
+        q, k, v, cos, sin = q.contiguous(), k.contiguous(), v.contiguous(), cos.contiguous(), sin.contiguous()
+        if mask is not None and (mask.shape != (batch, 1, num_new, span) or not mask.is_contiguous()):
+            mask = mask.expand(batch, 1, num_new, span).contiguous()
+        out = torch.empty((batch, num_new, heads * head_dim), dtype=torch.float32)  # [B, T, H * D]
+        status = self._lib.sg_attention_step(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
+            values.data_ptr(), keys.stride(0), keys.stride(1), starts.data_ptr(),
+            None if mask is None else mask.data_ptr(), batch, heads, kv_heads, num_new, span, head_dim,
+            head_dim**-0.5, out.data_ptr(), self.threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"attention step rejected q {tuple(q.shape)} k {tuple(k.shape)} over {span} slots")
+        return out
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """x [..., H] fp32 contiguous, weight [H] -> (x + delta or None, RMSNorm of it [..., H]): one
+        fixed per-row order on 256-bit vectors (csrc/norm.cpp), the same bits on AVX2 and AVX-512."""
+        hidden = x.shape[-1]
+        summed = None if delta is None else torch.empty_like(x)  # [..., H]
+        normed = torch.empty_like(x)  # [..., H]
+        status = self._lib.sg_rms_norm(
+            x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), x.numel() // hidden, hidden,
+            eps, None if summed is None else summed.data_ptr(), normed.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"rms_norm kernel rejected x {tuple(x.shape)}")
+        return summed, normed
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, T, H, D] fp32, cos / sin [B, 1, T, D] fp32 -> x * cos + rotate_half(x) * sin as

@@ -15,27 +15,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.backends import TorchLinear
+from ..kernels.backends import TorchLinear, rms_norm, separate_gate_up_silu
 from ..kv_cache import KVCache
 from ..paths import read_marker
 from .base import Target
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # normalise in fp32 like the reference implementation, then cast back
-    if x.dtype is not torch.float32 or torch.is_grad_enabled():
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * x32.to(x.dtype)
-    # fp32 inference (every forward of the native runtime): the same operations, so the same bits,
-    # in place on the temporaries: two casts and three allocations fewer per norm (57 per 1.5B forward)
-    scale = x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()  # [..., 1]
-    return (x * scale).mul_(weight)
 
 
 class RMSNorm(nn.Module):
@@ -74,8 +61,16 @@ class Attention(nn.Module):
         self.kernels = TorchLinear()  # attention backend; load_native swaps in the batch-invariant kernel's
 
     def forward(self, x, cos, sin, cache: KVCache, layer_slot: int, mask, rows: "PackedRows | None" = None):
-        keys, values = self.write_keys(x, cos, sin, cache, layer_slot, rows)  # [B, H_kv, S, D]
-        return self.attend(x, cos, sin, keys, values, mask, rows)
+        batch, num_new, _ = x.shape
+        q, k, v = packed_linears(self.kernels, (self.q_proj, self.k_proj, self.v_proj), x, rows)
+        q = q.view(batch, num_new, self.num_heads, self.head_dim)
+        k = k.view(batch, num_new, self.num_kv_heads, self.head_dim)
+        v = v.view(batch, num_new, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        # rotary, the cache write and attention: one kernel call with the compiled backend
+        out = self.kernels.attention_step(q, k, v, cos, sin, cache, layer_slot, mask)  # [B, T, H * D]
+        return packed_linear(self.o_proj, out, rows)
 
     def write_keys(self, x, cos, sin, cache: KVCache, layer_slot: int, rows: "PackedRows | None" = None):
         """Write x's [B, T, H] rotated keys / values into the cache; returns all of the slot's
@@ -127,6 +122,13 @@ def packed_linear(layer, x: torch.Tensor, rows: PackedRows | None) -> torch.Tens
     return rows.scatter(layer(rows.gather(x)))
 
 
+def packed_linears(kernels, layers, x: torch.Tensor, rows: PackedRows | None) -> list[torch.Tensor]:
+    """packed_linear of each layer on the same x, through `kernels.linears` (one kernel call for a q / k / v)."""
+    if rows is None:
+        return kernels.linears(x, layers)
+    return [rows.scatter(y) for y in kernels.linears(rows.gather(x), layers)]
+
+
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -135,13 +137,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
-    def forward(self, x, rows: PackedRows | None = None):
+    def forward(self, x, rows: PackedRows | None = None, kernels=None):
+        """x [..., H] -> down(silu(gate(x)) * up(x)); `kernels` (a linear backend) may run the gate, up
+        and SiLU product in one call (the compiled kernel's, for GGUF weights)."""
         if rows is not None:  # the MLP is per token: run it on the real rows only
-            return rows.scatter(self.forward(rows.gather(x)))
-        gate, up = self.gate_proj(x), self.up_proj(x)  # [..., I] each
-        if torch.is_grad_enabled():
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(gate).mul_(up))  # the product in place on silu's own temporary
+            return rows.scatter(self.forward(rows.gather(x), kernels=kernels))
+        activated = (kernels.gate_up_silu if kernels is not None else separate_gate_up_silu)(x, self.gate_proj, self.up_proj)
+        return self.down_proj(activated)  # [..., H]
 
 
 class Block(nn.Module):
@@ -153,8 +155,11 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, cache, layer_slot, mask, rows: PackedRows | None = None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer_slot, mask, rows)
-        return x + self.mlp(self.post_attention_layernorm(x), rows)
+        kernels = self.self_attn.kernels  # the norms run in the attention's backend (the kernel's own with it)
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        attended = self.self_attn(kernels.rms_norm(x, norm1.weight, norm1.eps), cos, sin, cache, layer_slot, mask, rows)
+        x, normed = kernels.add_rms_norm(x, attended, norm2.weight, norm2.eps)  # the residual add and the norm in one pass
+        return x + self.mlp(normed, rows, kernels)
 
 
 class Backbone(nn.Module):
@@ -185,6 +190,11 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         inv_freq, self.attention_scaling = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2]
+
+    @property
+    def kernels(self):
+        """The backend of attention and norms (load_native gives every layer the kernel's)."""
+        return self.model.layers[0].self_attn.kernels
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rotary_cos_sin(positions, self.inv_freq, self.attention_scaling, dtype)  # [B, 1, T, D] each
@@ -230,7 +240,7 @@ class LlamaModel(nn.Module):
             if layer + 1 in wanted and layer + 1 != self.config.num_hidden_layers:
                 hiddens[layer + 1] = x
         cache.advance(num_new)
-        x = self.model.norm(x)
+        x = self.kernels.rms_norm(x, self.model.norm.weight, self.model.norm.eps)
         if self.config.num_hidden_layers in wanted:
             hiddens[self.config.num_hidden_layers] = x
         if logits_at is not None:

@@ -1,4 +1,5 @@
-// Batch-invariant attention and rotary embedding (sg_attention, sg_rotary).
+// Batch-invariant attention and rotary embedding (sg_attention, sg_rotary), and both with the KV
+// cache writes as one layer's attention step (sg_attention_step).
 #include "skinny_gemm.h"
 
 namespace sg {
@@ -23,7 +24,8 @@ struct AttentionArgs {
   const uint8_t* mask;     // [B, T, S] (1 = visible) or null (every slot visible)
   int64_t B, H, Hkv, T, S, D;
   float scale;
-  float* out;              // [B, H, T, D] contiguous
+  float* out;              // [B, H, T, D] contiguous, or [B, T, H, D] when heads_last
+  bool heads_last;
 };
 
 inline float dot_fixed(const float* a, const float* b, int64_t n) {
@@ -162,7 +164,8 @@ void attention_rows(const LinearJob& job, int64_t begin, int64_t end) {
       }
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t g = 0; g < group; ++g) {
-        float* out = a.out + ((b * a.H + kv_head * group + g) * a.T + t0 + r) * a.D;
+        const int64_t head = kv_head * group + g, t = t0 + r;
+        float* out = a.out + (a.heads_last ? (b * a.T + t) * a.H + head : (b * a.H + head) * a.T + t) * a.D;
         const float* sum = sum_row(r, g);
         if (count[r] == 0) {  // a padding row of a ragged batch: nothing to see, its output is dropped
           std::fill(out, out + a.D, 0.0f);
@@ -194,6 +197,14 @@ void rotary_row(const float* x, const float* cos, const float* sin, int64_t D, f
   }
 }
 
+int run_attention(AttentionArgs& args, int num_threads) {
+  LinearJob job{};
+  job.num_tiles = args.B * args.Hkv * ((args.T + kAttentionRows - 1) / kAttentionRows);
+  job.run_tiles = attention_rows;
+  job.ctx = &args;
+  return run_job(job, num_threads, args.B * args.H * args.T * args.S * args.D * 2);  // multiply-adds: scores and weighted values
+}
+
 }  // namespace
 }  // namespace sg
 
@@ -210,12 +221,43 @@ int sg_attention(const float* q, const float* k, const float* v, int64_t kv_stri
   if (B < 0 || T < 0 || S < 0 || D <= 0 || H <= 0 || Hkv <= 0 || H % Hkv || H / Hkv > 64) return 1;
   if (B == 0 || T == 0) return 0;
   if (!q || !out || (S > 0 && (!k || !v))) return 1;
-  AttentionArgs args{q, k, v, kv_stride_b, kv_stride_h, mask, B, H, Hkv, T, S, D, scale, out};
-  LinearJob job{};
-  job.num_tiles = B * Hkv * ((T + kAttentionRows - 1) / kAttentionRows);
-  job.run_tiles = attention_rows;
-  job.ctx = &args;
-  return run_job(job, num_threads, B * H * T * S * D * 2);  // multiply-adds: scores and weighted values
+  AttentionArgs args{q, k, v, kv_stride_b, kv_stride_h, mask, B, H, Hkv, T, S, D, scale, out, false};
+  return run_attention(args, num_threads);
+}
+
+// One layer's attention step after its q / k / v projections, in one call: k rotated and v written
+// into the cache at slots starts[b] + t, q rotated, then sg_attention over slots [0, S) of the cache
+// with the output in the o projection's layout. q [B, T, H, D], k / v [B, T, Hkv, D] contiguous (the
+// projections' outputs); cos / sin [B, T, D]; cache_k / cache_v [B, Hkv, capacity, D] with strides
+// kv_stride_b / kv_stride_h, capacity >= every starts[b] + T and S <= capacity; mask [B, T, S] or
+// null; out [B, T, H, D]. The same bits as sg_rotary, the cache writes and sg_attention one by one.
+int sg_attention_step(const float* q, const float* k, const float* v, const float* cos, const float* sin,
+                      float* cache_k, float* cache_v, int64_t kv_stride_b, int64_t kv_stride_h, const int64_t* starts,
+                      const uint8_t* mask, int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t S, int64_t D,
+                      float scale, float* out, int num_threads) {
+  if (B < 0 || T < 0 || S < 0 || D <= 0 || D % 2 || H <= 0 || Hkv <= 0 || H % Hkv || H / Hkv > 64) return 1;
+  if (B == 0 || T == 0) return 0;
+  if (!q || !k || !v || !cos || !sin || !cache_k || !cache_v || !starts || !out) return 1;
+  for (int64_t b = 0; b < B; ++b)
+    if (starts[b] < 0 || starts[b] + T > S) return 1;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const float* row_cos = cos + (b * T + t) * D;
+      const float* row_sin = sin + (b * T + t) * D;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t slot = b * kv_stride_b + h * kv_stride_h + (starts[b] + t) * D;
+        rotary_row(k + ((b * T + t) * Hkv + h) * D, row_cos, row_sin, D, cache_k + slot);
+        std::memcpy(cache_v + slot, v + ((b * T + t) * Hkv + h) * D, (size_t)D * sizeof(float));
+      }
+    }
+  std::vector<float> rotated((size_t)(B * H * T * D));  // q as [B, H, T, D]
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h)
+        rotary_row(q + ((b * T + t) * H + h) * D, cos + (b * T + t) * D, sin + (b * T + t) * D, D,
+                   rotated.data() + ((b * H + h) * T + t) * D);
+  AttentionArgs args{rotated.data(), cache_k, cache_v, kv_stride_b, kv_stride_h, mask, B, H, Hkv, T, S, D, scale, out, true};
+  return run_attention(args, num_threads);
 }
 
 // Rotary embedding into the attention layout (see rotary_row): x [B, T, H, D] contiguous (a

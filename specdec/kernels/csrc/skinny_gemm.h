@@ -30,7 +30,10 @@
 //     amx.cpp         the a8 K-quant linears on AMX int8 tiles (built where the CPU has AMX)
 //     a8_interleaved.cpp  the a8 K-quants (Q4_K, Q6_K) from a copy interleaved 16 (zmm, a8_interleaved_zmm.h)
 //                     or 8 (ymm, a8_interleaved_ymm.h) columns wide: sg_interleave, sg_linear_interleaved_a8
-//     attention.cpp   batch-invariant attention and rotary embedding
+//     attention.cpp   batch-invariant attention and rotary embedding (and both as one call with the
+//                     KV cache writes: a layer's attention step)
+//     norm.cpp        RMSNorm, with the residual add before it (the glue between a layer's linears)
+//     layer.cpp       a layer's GGUF linears in fewer calls: q / k / v, and silu(gate) * up
 //     threads.cpp     the thread pool every call runs on
 // Only the sg_* functions are exported; everything else is hidden in namespace sg.
 #pragma once

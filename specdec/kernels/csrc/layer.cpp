@@ -1,0 +1,101 @@
+// A layer's GGUF linears in fewer calls: q / k / v on one input (sg_linear3) and the MLP's
+// silu(gate(x)) * up(x) (sg_gate_up_silu). Each linear runs the entry point it would run alone,
+// so the outputs are bitwise those of separate calls; what is saved is the calls' overhead.
+#include "skinny_gemm.h"
+
+extern "C" {
+int sg_linear_gguf(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int ggml_type,
+                   const float* bias, float* y, int num_threads);
+int sg_linear_gguf_a8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int ggml_type,
+                      const float* bias, float* y, int num_threads);
+int sg_linear_interleaved_a8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int ggml_type,
+                             const float* bias, float* y, int num_threads);
+}
+
+namespace sg {
+namespace {
+
+// Which entry point runs a GGUF linear (GGUFLinear.route in Python picks it by the row count).
+enum Route { kExact = 0, kA8 = 1, kInterleavedA8 = 2 };
+
+int run_route(int route, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int ggml_type,
+              const float* bias, float* y, int num_threads) {
+  switch (route) {
+    case kExact: return sg_linear_gguf(x, M, K, w, N, ggml_type, bias, y, num_threads);
+    case kA8: return sg_linear_gguf_a8(x, M, K, w, N, ggml_type, bias, y, num_threads);
+    case kInterleavedA8: return sg_linear_interleaved_a8(x, M, K, w, N, ggml_type, bias, y, num_threads);
+    default: return 1;
+  }
+}
+
+// exp on 8 lanes by one fixed sequence of IEEE operations (no FMA), 256-bit in every build, so the
+// same bits on AVX2 and AVX-512: x clamped to [-87.3, 88.3], n = round(x log2 e), r = x - n ln2
+// (ln2 in two parts), exp(r) = 1 + r + r^2 p(r) with Cephes' degree-5 p, times 2^n.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 e = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
+}
+
+// gate[i] = gate[i] / (1 + exp(-gate[i])) * up[i] (silu(gate) * up), 8 lanes at a time; the tail
+// through the same vector code on a zero-padded copy, so every element has the same bits.
+void silu_mul(float* gate, const float* up, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  auto step = [&](__m256 g, __m256 u) {
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_xor_ps(g, sign)))), u);
+  };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(gate + i, step(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+  if (i < n) {
+    float g[8] = {}, u[8] = {}, out[8];
+    std::memcpy(g, gate + i, (size_t)(n - i) * sizeof(float));
+    std::memcpy(u, up + i, (size_t)(n - i) * sizeof(float));
+    _mm256_storeu_ps(out, step(_mm256_loadu_ps(g), _mm256_loadu_ps(u)));
+    std::memcpy(gate + i, out, (size_t)(n - i) * sizeof(float));
+  }
+}
+
+}  // namespace
+}  // namespace sg
+
+using namespace sg;
+
+extern "C" {
+
+// Three linears of one input x [M, K]: y_i = x @ W_i^T (+ bias_i), W_i [N_i, ...] GGUF blocks (or their
+// interleaved copy) of type_i run by `route_i` (0 sg_linear_gguf, 1 sg_linear_gguf_a8, 2
+// sg_linear_interleaved_a8). Returns 0, or the first failing linear's status.
+int sg_linear3(const float* x, int64_t M, int64_t K,
+               int route0, const uint8_t* w0, int64_t N0, int type0, const float* bias0, float* y0,
+               int route1, const uint8_t* w1, int64_t N1, int type1, const float* bias1, float* y1,
+               int route2, const uint8_t* w2, int64_t N2, int type2, const float* bias2, float* y2, int num_threads) {
+  int status = run_route(route0, x, M, K, w0, N0, type0, bias0, y0, num_threads);
+  if (!status) status = run_route(route1, x, M, K, w1, N1, type1, bias1, y1, num_threads);
+  if (!status) status = run_route(route2, x, M, K, w2, N2, type2, bias2, y2, num_threads);
+  return status;
+}
+
+// The MLP's silu(x @ Wg^T + bg) * (x @ Wu^T + bu) -> y [M, N] (routes as sg_linear3; biases may be
+// null); `scratch` [M, N] holds the up projection. Returns 0, or the failing linear's status.
+int sg_gate_up_silu(const float* x, int64_t M, int64_t K,
+                    int route_gate, const uint8_t* w_gate, int type_gate, const float* bias_gate,
+                    int route_up, const uint8_t* w_up, int type_up, const float* bias_up,
+                    int64_t N, float* y, float* scratch, int num_threads) {
+  int status = run_route(route_gate, x, M, K, w_gate, N, type_gate, bias_gate, y, num_threads);
+  if (!status) status = run_route(route_up, x, M, K, w_up, N, type_up, bias_up, scratch, num_threads);
+  if (!status && M > 0) silu_mul(y, scratch, M * N);
+  return status;
+}
+
+}  // extern "C"
