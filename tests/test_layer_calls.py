@@ -1,5 +1,6 @@
-"""A layer's GGUF linears in fewer kernel calls (csrc/layer.cpp): q / k / v of one input in one call
-and the MLP's silu(gate(x)) * up(x) in one call. The linears are bitwise the separate calls on every
+"""A layer's GGUF linears in fewer kernel calls (csrc/layer.cpp): q / k / v of one input in one call,
+the MLP's silu(gate(x)) * up(x) in one call, and a whole block of few rows in one call (sg_layer),
+bitwise the block op by op on a real model. The linears are bitwise the separate calls on every
 route (exact, a8 on the raw blocks, a8 on the interleaved copy); the SiLU product is torch's to
 rounding, the same bits on both builds and row by row; anything the kernel does not run (bf16,
 autograd, other modules) goes through the separate calls."""
@@ -92,3 +93,53 @@ def _silu_at(backend, values: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
     up_values = library.linear_routed(0, x, up_blocks, n, q8_0, None, 1)  # 1 to fp16 rounding
     fused = library.gate_up_silu(x, (0, gate_blocks, n, q8_0, None), (0, up_blocks, n, q8_0, None), 1)
     return gate_values, fused / up_values
+
+
+@pytest.fixture(scope="module", params=["gguf", "gguf-a8"])
+def smollm2(request):
+    from conftest import skip_without_kernel
+
+    from specdec.api import load_target
+
+    skip_without_kernel()
+    return load_target("smollm2-135m", progress=False, weights=request.param)
+
+
+def test_a_block_in_one_call_is_the_block_op_by_op(smollm2):
+    """sg_layer gives the residual stream and the KV cache of Block.run_ops bit for bit: one decode
+    row, a causal verify of 5 rows, a tree mask, two sequences of different lengths; past
+    MAX_LAYER_ROWS rows (a prefill) the block runs op by op."""
+    from specdec.kernels.backends import MAX_LAYER_ROWS
+
+    model = smollm2.model
+    block, kernels = model.model.layers[3], model.kernels
+    generator = torch.Generator().manual_seed(6)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    cases = [  # (lengths per row, new tokens, mask among the new tokens or None)
+        ([9], 1, None), ([9], 5, torch.ones(1, 5, 5, dtype=torch.bool).tril()), ([12], 4, tree[None]),
+        ([7, 10], 3, torch.ones(2, 3, 3, dtype=torch.bool).tril()),
+    ]
+    with torch.inference_mode():
+        for lengths, num_new, new_mask in cases:
+            batch = len(lengths)
+            caches = []
+            for _ in range(2):  # the same committed keys / values in two caches
+                cache = smollm2.new_cache(batch, 64)
+                cache.reserve(max(lengths) + num_new)
+                for layer in range(cache.num_layers):
+                    cache.keys[layer].copy_(torch.randn(cache.keys[layer].shape, generator=torch.Generator().manual_seed(layer)))
+                    cache.values[layer].copy_(torch.randn(cache.values[layer].shape, generator=torch.Generator().manual_seed(50 + layer)))
+                cache.lengths.copy_(torch.tensor(lengths))
+                caches.append(cache)
+            x = torch.randn(batch, num_new, model.config.hidden_size, generator=generator)
+            positions = torch.tensor(lengths)[:, None] + torch.arange(num_new)[None]
+            cos, sin = model.rope(positions, torch.float32)
+            mask = None if new_mask is None else caches[0].attention_mask(num_new, new_mask)
+            fused = kernels.run_layer(block, x, cos, sin, caches[0], 3, mask)
+            assert fused is not None, (lengths, num_new)  # the one-call path ran
+            assert torch.equal(fused, block.run_ops(x, cos, sin, caches[1], 3, mask)), (lengths, num_new)
+            for mine, theirs in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):
+                assert torch.equal(mine, theirs)
+        prefill = torch.randn(1, MAX_LAYER_ROWS + 1, model.config.hidden_size, generator=generator)
+        cos, sin = model.rope(torch.arange(MAX_LAYER_ROWS + 1)[None], torch.float32)
+        assert kernels.run_layer(block, prefill, cos, sin, smollm2.new_cache(1, 128), 3, None) is None

@@ -39,6 +39,9 @@ from .build import KernelUnavailable
 from .library import load_library
 
 ENV_BACKEND = "SPECDEC_LINEAR"
+# The most rows a block runs in one kernel call (run_layer): a decode, verify or tree step; longer
+# prefills are bound by the linears' arithmetic, not by calls, and would hold larger scratch.
+MAX_LAYER_ROWS = 64
 _FP32 = torch.float32
 log = logging.getLogger(__name__)
 
@@ -124,6 +127,7 @@ class TorchLinear:
     attention_step = composed_attention_step
     linears = staticmethod(separate_linears)
     gate_up_silu = staticmethod(separate_gate_up_silu)
+    run_layer = staticmethod(lambda block, x, cos, sin, cache, layer, mask: None)  # no one-call block: op by op
 
 
 class RowwiseTorchLinear:
@@ -137,6 +141,7 @@ class RowwiseTorchLinear:
     attention_step = composed_attention_step
     linears = staticmethod(separate_linears)
     gate_up_silu = staticmethod(separate_gate_up_silu)
+    run_layer = staticmethod(lambda block, x, cos, sin, cache, layer, mask: None)  # no one-call block: op by op
 
     def __init__(self, compiler: str | None = None):
         pass
@@ -195,6 +200,34 @@ class _CompiledBackend:
             if keys.stride() == values.stride() and keys.stride()[2:] == (head_dim, 1):
                 return self.library.attention_step(q, k, v, cos, sin, keys, values, cache.lengths, span, mask)
         return composed_attention_step(self, q, k, v, cos, sin, cache, layer, mask)
+
+    def run_layer(self, block, x, cos, sin, cache, layer: int, mask) -> torch.Tensor | None:
+        """A Llama block (duck-typed: input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
+        mlp.{gate,up,down}_proj) on x [B, T, H] in one kernel call (sg_layer), bitwise its op-by-op
+        forward: for fp32 inference of at most MAX_LAYER_ROWS rows with GGUF linears, no q / k norm and
+        an fp32 KV cache. Otherwise None: the caller runs the block op by op."""
+        attention, mlp, norm1, norm2 = block.self_attn, block.mlp, block.input_layernorm, block.post_attention_layernorm
+        batch, num_new, _ = x.shape
+        head_dim = attention.head_dim
+        linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj,
+                   mlp.down_proj)
+        if (
+            batch * num_new > MAX_LAYER_ROWS or attention.qk_norm or norm1.eps != norm2.eps or head_dim % 2
+            or not (_fp32_inference(x, cos, sin, norm1.weight, norm2.weight) and x.is_contiguous())
+            or cos.shape != (batch, 1, num_new, head_dim) or sin.shape != cos.shape or cache.dtype is not _FP32
+            or not all(hasattr(linear, "route") and linear.runs_in_kernel(linear_input) for linear, linear_input in
+                       zip(linears, (x, x, x, None, x, x, None)) if linear_input is not None)
+            or mlp.gate_proj.out_features != mlp.up_proj.out_features
+        ):  # fmt: skip
+            return None
+        keys, values, span = cache.layer_for_write(layer, num_new)
+        if keys.stride() != values.stride() or keys.stride()[2:] != (head_dim, 1):
+            return None
+        rows = batch * num_new
+        return self.library.layer(
+            x, (norm1.weight, norm2.weight), norm1.eps, [linear.route(rows) for linear in linears], attention.num_heads,
+            cos.contiguous(), sin.contiguous(), keys, values, cache.lengths, span, mask,
+        )  # fmt: skip
 
     def linears(self, x: torch.Tensor, layers) -> list[torch.Tensor]:
         """[layer(x) for layer in layers], bitwise, in one kernel call where they are three GGUF linears

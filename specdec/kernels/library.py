@@ -42,6 +42,27 @@ _GGUF_LINEAR = (
 ROUTES = ("sg_linear_gguf", "sg_linear_gguf_a8", "sg_linear_interleaved_a8")
 ROUTE_EXACT, ROUTE_A8, ROUTE_INTERLEAVED_A8 = range(3)
 _ROUTED_LINEAR = (_int, _ptr, _i64, _int, _ptr, _ptr)  # route, weight, N, ggml type, bias, y
+
+
+class LayerLinear(ctypes.Structure):
+    """One GGUF linear of sg_layer (csrc/layer.cpp): GGUFLinear.route's (route, weight, N, type, bias)."""
+
+    _fields_ = [("route", ctypes.c_int32), ("ggml_type", ctypes.c_int32), ("w", _ptr), ("N", _i64), ("bias", _ptr)]
+
+
+class LayerArgs(ctypes.Structure):
+    """sg_layer's arguments, field for field csrc/layer.cpp's LayerArgs."""
+
+    _fields_ = [
+        *((name, _i64) for name in ("B", "T", "H", "heads", "kv_heads", "D", "I")),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("threads", ctypes.c_int32), ("unused", ctypes.c_int32),
+        *((name, _ptr) for name in ("x", "out", "norm1", "norm2")),
+        *((name, LayerLinear) for name in ("q", "k", "v", "o", "gate", "up", "down")),
+        ("cos", _ptr), ("sin", _ptr), ("cache_k", _ptr), ("cache_v", _ptr), ("kv_stride_b", _i64), ("kv_stride_h", _i64),
+        ("starts", _ptr), ("span", _i64), ("mask", _ptr),
+    ]  # fmt: skip
+
+
 # every exported function: name -> (restype, argtypes)
 SIGNATURES = {
     "sg_isa": (ctypes.c_char_p, ()),
@@ -66,6 +87,7 @@ SIGNATURES = {
         _int, _ptr, _int, _ptr,  # up: route, weight, ggml type, bias
         _i64, _ptr, _ptr, _int,  # N, y, scratch, threads
     )),
+    "sg_layer": (_int, (ctypes.POINTER(LayerArgs),)),
     "sg_interleaved_cols": (_int, ()),
     "sg_interleaved_min_rows": (_int, (_int,)),  # ggml type
     "sg_interleaved_bytes": (_i64, (_int, _i64, _i64)),  # ggml type, N, K
@@ -374,6 +396,33 @@ class SkinnyGemmLibrary:
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"attention step rejected q {tuple(q.shape)} k {tuple(k.shape)} over {span} slots")
+        return out
+
+    def layer(
+        self, x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], eps: float, linears, heads: int,
+        cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor,
+        span: int, mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """A Llama block in one call (csrc/layer.cpp): x [B, T, H] fp32 contiguous -> the residual stream
+        after it [B, T, H]. norms = (input, post-attention) RMSNorm weights [H]; linears = q, k, v, o,
+        gate, up, down as GGUFLinear.route gives them; the attention's arguments as attention_step's
+        (cos / sin [B, 1, T, D] contiguous). The bits of the block op by op."""
+        batch, num_new, hidden = x.shape
+        head_dim = cos.shape[-1]
+        if mask is not None and (mask.shape != (batch, 1, num_new, span) or not mask.is_contiguous()):
+            mask = mask.expand(batch, 1, num_new, span).contiguous()
+        out = torch.empty_like(x)  # [B, T, H]
+        calls = [LayerLinear(route, ggml_type, weight.data_ptr(), out_features, None if bias is None else bias.data_ptr())
+                 for route, weight, out_features, ggml_type, bias in linears]
+        args = LayerArgs(
+            batch, num_new, hidden, heads, linears[1][2] // head_dim, head_dim, linears[4][2], eps, head_dim**-0.5,
+            self.threads(), 0, x.data_ptr(), out.data_ptr(), norms[0].data_ptr(), norms[1].data_ptr(), *calls,
+            cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1),
+            starts.data_ptr(), span, None if mask is None else mask.data_ptr(),
+        )  # fmt: skip
+        status = self._lib.sg_layer(ctypes.byref(args))
+        if status != 0:
+            raise RuntimeError(f"sg_layer rejected x {tuple(x.shape)} over {span} slots")
         return out
 
     def rms_norm(

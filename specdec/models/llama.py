@@ -155,6 +155,14 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, cache, layer_slot, mask, rows: PackedRows | None = None):
+        if rows is None:  # few rows on the compiled backend: the whole block in one kernel call, the same bits
+            done = self.self_attn.kernels.run_layer(self, x, cos, sin, cache, layer_slot, mask)
+            if done is not None:
+                return done
+        return self.run_ops(x, cos, sin, cache, layer_slot, mask, rows)
+
+    def run_ops(self, x, cos, sin, cache, layer_slot, mask, rows: PackedRows | None = None):
+        """The block op by op: x [B, T, H] -> the residual stream after it [B, T, H]."""
         kernels = self.self_attn.kernels  # the norms run in the attention's backend (the kernel's own with it)
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         attended = self.self_attn(kernels.rms_norm(x, norm1.weight, norm1.eps), cos, sin, cache, layer_slot, mask, rows)

@@ -1,6 +1,8 @@
-// A layer's GGUF linears in fewer calls: q / k / v on one input (sg_linear3) and the MLP's
-// silu(gate(x)) * up(x) (sg_gate_up_silu). Each linear runs the entry point it would run alone,
-// so the outputs are bitwise those of separate calls; what is saved is the calls' overhead.
+// A layer's GGUF linears in fewer calls: q / k / v on one input (sg_linear3), the MLP's
+// silu(gate(x)) * up(x) (sg_gate_up_silu), and a whole Llama block of few rows (sg_layer). Each
+// linear runs the entry point it would run alone and the glue is the same functions, so the outputs
+// are bitwise those of separate calls; what is saved is the calls' overhead (docs/performance.md,
+// "Between the linears").
 #include "skinny_gemm.h"
 
 extern "C" {
@@ -10,6 +12,12 @@ int sg_linear_gguf_a8(const float* x, int64_t M, int64_t K, const uint8_t* w, in
                       const float* bias, float* y, int num_threads);
 int sg_linear_interleaved_a8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int ggml_type,
                              const float* bias, float* y, int num_threads);
+int sg_rms_norm(const float* x, const float* delta, const float* weight, int64_t M, int64_t H, float eps, float* sum,
+                float* normed);
+int sg_attention_step(const float* q, const float* k, const float* v, const float* cos, const float* sin,
+                      float* cache_k, float* cache_v, int64_t kv_stride_b, int64_t kv_stride_h, const int64_t* starts,
+                      const uint8_t* mask, int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t S, int64_t D,
+                      float scale, float* out, int num_threads);
 }
 
 namespace sg {
@@ -67,6 +75,36 @@ void silu_mul(float* gate, const float* up, int64_t n) {
 }
 
 }  // namespace
+
+// One GGUF linear of a layer as sg_layer takes it (route as in sg_linear3).
+struct LayerLinear {
+  int32_t route;
+  int32_t ggml_type;
+  const uint8_t* w;
+  int64_t N;
+  const float* bias;  // [N] or null
+};
+
+// A Llama block over B x T rows (library.py's LayerArgs mirrors this layout).
+struct LayerArgs {
+  int64_t B, T, H, heads, kv_heads, D, I;  // rows; hidden, query / KV heads, head dim, MLP width
+  float eps, scale;                        // the norms' epsilon, attention's 1 / sqrt(D)
+  int32_t threads, unused;
+  const float* x;                          // [B, T, H] the residual stream in
+  float* out;                              // [B, T, H] the residual stream out
+  const float* norm1;                      // [H] input_layernorm
+  const float* norm2;                      // [H] post_attention_layernorm
+  LayerLinear q, k, v, o, gate, up, down;
+  const float* cos;                        // [B, T, D]
+  const float* sin;
+  float* cache_k;                          // [B, Hkv, capacity, D], strides below (floats)
+  float* cache_v;
+  int64_t kv_stride_b, kv_stride_h;
+  const int64_t* starts;                   // [B] each row's first new slot
+  int64_t span;                            // slots attention reads
+  const uint8_t* mask;                     // [B, T, span] or null
+};
+
 }  // namespace sg
 
 using namespace sg;
@@ -95,6 +133,54 @@ int sg_gate_up_silu(const float* x, int64_t M, int64_t K,
   int status = run_route(route_gate, x, M, K, w_gate, N, type_gate, bias_gate, y, num_threads);
   if (!status) status = run_route(route_up, x, M, K, w_up, N, type_up, bias_up, scratch, num_threads);
   if (!status && M > 0) silu_mul(y, scratch, M * N);
+  return status;
+}
+
+// A whole Llama block of B x T rows in one call: out = h + down(silu(gate(n2)) * up(n2)) with
+// h = x + o(attention_step(q(n1), k(n1), v(n1))), n1 = rms_norm(x), n2 = rms_norm(h), each part by the
+// function that runs it alone (sg_rms_norm, the routed linears, sg_attention_step, sg_gate_up_silu's
+// silu_mul, a float add), so the bits of the op-by-op block. Scratch is per thread and grows to the
+// largest call (the caller keeps this to few rows). Returns 0, or the first failing part's status.
+int sg_layer(const LayerArgs* a) {
+  const int64_t M = a->B * a->T, H = a->H, q_width = a->heads * a->D, kv_width = a->kv_heads * a->D;
+  if (M <= 0 || H <= 0 || a->I <= 0 || !a->x || !a->out) return M == 0 ? 0 : 1;
+  thread_local std::vector<float> scratch;
+  const size_t need = (size_t)(M * (2 * H + 2 * q_width + 2 * kv_width + 2 * a->I));
+  if (scratch.size() < need) scratch.resize(need);
+  float* normed = scratch.data();             // [M, H]
+  float* q = normed + M * H;                  // [M, heads * D]
+  float* k = q + M * q_width;                 // [M, kv_heads * D]
+  float* v = k + M * kv_width;
+  float* attended = v + M * kv_width;         // [M, heads * D]
+  float* projected = attended + M * q_width;  // [M, H]: o, then down
+  float* gate = projected + M * H;            // [M, I]
+  float* up = gate + M * a->I;
+  auto linear = [&](const LayerLinear& l, const float* in, int64_t K, float* y) {
+    return run_route(l.route, in, M, K, l.w, l.N, l.ggml_type, l.bias, y, a->threads);
+  };
+  int status = sg_rms_norm(a->x, nullptr, a->norm1, M, H, a->eps, nullptr, normed);
+  if (!status) status = linear(a->q, normed, H, q);
+  if (!status) status = linear(a->k, normed, H, k);
+  if (!status) status = linear(a->v, normed, H, v);
+  if (!status)
+    status = sg_attention_step(q, k, v, a->cos, a->sin, a->cache_k, a->cache_v, a->kv_stride_b, a->kv_stride_h,
+                               a->starts, a->mask, a->B, a->heads, a->kv_heads, a->T, a->span, a->D, a->scale,
+                               attended, a->threads);
+  if (!status) status = linear(a->o, attended, q_width, projected);
+  if (!status) status = sg_rms_norm(a->x, projected, a->norm2, M, H, a->eps, a->out, normed);  // out = x + o
+  if (!status) status = linear(a->gate, normed, H, gate);
+  if (!status) status = linear(a->up, normed, H, up);
+  if (!status) {
+    silu_mul(gate, up, M * a->I);
+    status = linear(a->down, gate, a->I, projected);
+  }
+  if (!status) {
+    float* residual = a->out;
+    int64_t i = 0;
+    for (; i + 8 <= M * H; i += 8)
+      _mm256_storeu_ps(residual + i, _mm256_add_ps(_mm256_loadu_ps(residual + i), _mm256_loadu_ps(projected + i)));
+    for (; i < M * H; ++i) residual[i] += projected[i];
+  }
   return status;
 }
 
