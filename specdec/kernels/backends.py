@@ -239,13 +239,19 @@ class _CompiledBackend:
         return separate_linears(x, layers)
 
     def gate_up_silu(self, x: torch.Tensor, gate: nn.Module, up: nn.Module) -> torch.Tensor:
-        """silu(gate(x)) * up(x) in one kernel call for two GGUF linears the kernel runs on x (its own
-        exp: close to torch's silu, not its bits); otherwise torch's."""
+        """silu(gate(x)) * up(x) with the kernel's SiLU (its own exp: close to torch's silu, not its bits)
+        for fp32 inference, so dense and GGUF weights of one model agree bitwise: in one kernel call for
+        two GGUF linears the kernel runs on x, else the projections one by one. Otherwise torch's."""
         if all(getattr(layer, "runs_in_kernel", None) and layer.runs_in_kernel(x) for layer in (gate, up)) \
                 and gate.out_features == up.out_features:
             x = x.contiguous()
             rows = x.numel() // x.shape[-1]
             return self.library.gate_up_silu(x, gate.route(rows), up.route(rows), self.library.threads())
+        if _fp32_inference(x):
+            gated, upped = gate(x), up(x)  # [..., I] each
+            if _fp32_inference(gated, upped) and gated.shape == upped.shape and gated.is_contiguous() and upped.is_contiguous():
+                return self.library.silu_mul(gated, upped)
+            return F.silu(gated).mul_(upped) if not torch.is_grad_enabled() else F.silu(gated) * upped
         return separate_gate_up_silu(x, gate, up)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -136,6 +136,14 @@ int sg_gate_up_silu(const float* x, int64_t M, int64_t K,
   return status;
 }
 
+// gate[i] = silu(gate[i]) * up[i] for n elements, in place (silu_mul: the SiLU of sg_gate_up_silu and
+// sg_layer, for projections the kernel did not run as GGUF linears). Returns 0, or 1 on bad arguments.
+int sg_silu_mul(float* gate, const float* up, int64_t n) {
+  if (n < 0 || (n > 0 && (!gate || !up))) return 1;
+  silu_mul(gate, up, n);
+  return 0;
+}
+
 // A whole Llama block of B x T rows in one call: out = h + down(silu(gate(n2)) * up(n2)) with
 // h = x + o(attention_step(q(n1), k(n1), v(n1))), n1 = rms_norm(x), n2 = rms_norm(h), each part by the
 // function that runs it alone (sg_rms_norm, the routed linears, sg_attention_step, sg_gate_up_silu's
