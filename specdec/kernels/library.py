@@ -88,7 +88,7 @@ SIGNATURES = {
         _i64, _ptr, _ptr, _int,  # N, y, scratch, threads
     )),
     "sg_layer": (_int, (ctypes.POINTER(LayerArgs),)),
-    "sg_silu_mul": (_int, (_ptr, _ptr, _i64)),  # gate (in place), up, n
+    "sg_silu_mul": (_int, (_ptr, _ptr, _ptr, _i64)),  # gate, up, out (may be gate), n
     "sg_interleaved_cols": (_int, ()),
     "sg_interleaved_min_rows": (_int, (_int,)),  # ggml type
     "sg_interleaved_bytes": (_i64, (_int, _i64, _i64)),  # ggml type, N, K
@@ -400,10 +400,11 @@ class SkinnyGemmLibrary:
         return out
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """gate = silu(gate) * up in place (fp32, contiguous, same shape) with gate_up_silu's SiLU; returns gate."""
-        if self._lib.sg_silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel()) != 0:
+        """silu(gate) * up (fp32, contiguous, same shape) with gate_up_silu's SiLU, as a new tensor."""
+        out = torch.empty_like(gate)
+        if self._lib.sg_silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel()) != 0:
             raise RuntimeError(f"silu_mul rejected {tuple(gate.shape)}")
-        return gate
+        return out
 
     def layer(
         self, x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], eps: float, linears, heads: int,

@@ -56,21 +56,21 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
 }
 
-// gate[i] = gate[i] / (1 + exp(-gate[i])) * up[i] (silu(gate) * up), 8 lanes at a time; the tail
-// through the same vector code on a zero-padded copy, so every element has the same bits.
-void silu_mul(float* gate, const float* up, int64_t n) {
+// out[i] = gate[i] / (1 + exp(-gate[i])) * up[i] (silu(gate) * up; out may be gate), 8 lanes at a
+// time; the tail through the same vector code on a zero-padded copy, so every element has the same bits.
+void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
   const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
   auto step = [&](__m256 g, __m256 u) {
     return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_xor_ps(g, sign)))), u);
   };
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(gate + i, step(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, step(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
   if (i < n) {
-    float g[8] = {}, u[8] = {}, out[8];
+    float g[8] = {}, u[8] = {}, y[8];
     std::memcpy(g, gate + i, (size_t)(n - i) * sizeof(float));
     std::memcpy(u, up + i, (size_t)(n - i) * sizeof(float));
-    _mm256_storeu_ps(out, step(_mm256_loadu_ps(g), _mm256_loadu_ps(u)));
-    std::memcpy(gate + i, out, (size_t)(n - i) * sizeof(float));
+    _mm256_storeu_ps(y, step(_mm256_loadu_ps(g), _mm256_loadu_ps(u)));
+    std::memcpy(out + i, y, (size_t)(n - i) * sizeof(float));
   }
 }
 
@@ -132,15 +132,15 @@ int sg_gate_up_silu(const float* x, int64_t M, int64_t K,
                     int64_t N, float* y, float* scratch, int num_threads) {
   int status = run_route(route_gate, x, M, K, w_gate, N, type_gate, bias_gate, y, num_threads);
   if (!status) status = run_route(route_up, x, M, K, w_up, N, type_up, bias_up, scratch, num_threads);
-  if (!status && M > 0) silu_mul(y, scratch, M * N);
+  if (!status && M > 0) silu_mul(y, scratch, y, M * N);
   return status;
 }
 
-// gate[i] = silu(gate[i]) * up[i] for n elements, in place (silu_mul: the SiLU of sg_gate_up_silu and
-// sg_layer, for projections the kernel did not run as GGUF linears). Returns 0, or 1 on bad arguments.
-int sg_silu_mul(float* gate, const float* up, int64_t n) {
-  if (n < 0 || (n > 0 && (!gate || !up))) return 1;
-  silu_mul(gate, up, n);
+// out[i] = silu(gate[i]) * up[i] for n elements (the SiLU of sg_gate_up_silu and sg_layer, for
+// projections the kernel did not run as GGUF linears). Returns 0, or 1 on bad arguments.
+int sg_silu_mul(const float* gate, const float* up, float* out, int64_t n) {
+  if (n < 0 || (n > 0 && (!gate || !up || !out))) return 1;
+  silu_mul(gate, up, out, n);
   return 0;
 }
 
@@ -182,7 +182,7 @@ int sg_layer(const LayerArgs* a) {
   if (!status) status = linear(a->gate, normed, H, gate);
   if (!status) status = linear(a->up, normed, H, up);
   if (!status) {
-    silu_mul(gate, up, M * a->I);
+    silu_mul(gate, up, gate, M * a->I);
     status = linear(a->down, gate, a->I, projected);
   }
   if (!status) {
