@@ -5,7 +5,13 @@
 Times k-token forwards after a 64-token prefix as they are, then with every linear layer (GGUF
 blocks or dense kernel) returning a copy of the output it gave once for that input shape: what is
 left is the rest of the forward (norms, rotary, KV writes, attention, SiLU, python). Real and
-stubbed forwards alternate over `--rounds`; the minimum per setting is printed.
+stubbed forwards alternate over `--rounds`; the minimum per setting is printed. While stubbed, the
+backend's calls that run several linears at once (a whole block, q / k / v, gate / up) go through the
+modules one by one, so the stubs see every linear.
+
+A lower bound for the rest: stubbed, nothing streams weights between the other ops, so they run
+from warm caches; in a real forward each op follows megabytes of weights and costs several times
+more (docs/performance.md, "Between the linears").
 """
 
 from __future__ import annotations
@@ -43,7 +49,19 @@ def stubbed(classes: list[type]):
 
     for cls, original in originals.items():
         cls.forward = make(original)
+    from specdec.kernels.backends import _CompiledBackend, separate_gate_up_silu, separate_linears
+
+    for name, one_by_one in (("run_layer", lambda self, *args: None), ("linears", lambda self, x, layers: separate_linears(x, layers)),
+                             ("gate_up_silu", lambda self, x, gate, up: separate_gate_up_silu(x, gate, up))):
+        originals[(_CompiledBackend, name)] = getattr(_CompiledBackend, name)
+        setattr(_CompiledBackend, name, one_by_one)
     return originals
+
+
+def restore(originals) -> None:
+    for key, original in originals.items():
+        cls, name = key if isinstance(key, tuple) else (key, "forward")
+        setattr(cls, name, original)
 
 
 def forward_ms(target, cache, k: int, repeats: int) -> float:
@@ -79,8 +97,7 @@ def main(argv=None) -> int:
             try:
                 rest = min(rest, forward_ms(target, cache, k, args.repeats))
             finally:
-                for cls, original in originals.items():
-                    cls.forward = original
+                restore(originals)
         print(f"k={k}: forward {real:.2f} ms, without its linears {rest:.2f} ms ({100 * rest / real:.0f} %)")
     return 0
 
