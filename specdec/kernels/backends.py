@@ -103,7 +103,21 @@ def composed_attention_step(kernels, q, k, v, cos, sin, cache, layer: int, mask)
     return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
 
 
-class TorchLinear:
+class TorchOps:
+    """The ops between a layer's linears as torch computes them: the torch backends' (the compiled
+    backends run them in the kernel)."""
+
+    attention = staticmethod(sdpa_attention)
+    rotary = staticmethod(torch_rotary)
+    rms_norm = staticmethod(rms_norm)
+    add_rms_norm = staticmethod(add_rms_norm)
+    attention_step = composed_attention_step
+    linears = staticmethod(separate_linears)
+    gate_up_silu = staticmethod(separate_gate_up_silu)
+    run_layer = staticmethod(lambda block, x, cos, sin, cache, layer, mask: None)  # no one-call block: op by op
+
+
+class TorchLinear(TorchOps):
     """F.linear: plain nn.Linear behaviour (MKL/oneDNN). Fast, not batch invariant."""
 
     name = "torch"
@@ -120,28 +134,11 @@ class TorchLinear:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
-    attention = staticmethod(sdpa_attention)
-    rotary = staticmethod(torch_rotary)
-    rms_norm = staticmethod(rms_norm)
-    add_rms_norm = staticmethod(add_rms_norm)
-    attention_step = composed_attention_step
-    linears = staticmethod(separate_linears)
-    gate_up_silu = staticmethod(separate_gate_up_silu)
-    run_layer = staticmethod(lambda block, x, cos, sin, cache, layer, mask: None)  # no one-call block: op by op
 
-
-class RowwiseTorchLinear:
+class RowwiseTorchLinear(TorchOps):
     """Each row through its own 1-row F.linear: batch invariant without a compiler, k rows cost ~k x."""
 
     name = "rowwise"
-    attention = staticmethod(sdpa_attention)
-    rotary = staticmethod(torch_rotary)
-    rms_norm = staticmethod(rms_norm)
-    add_rms_norm = staticmethod(add_rms_norm)
-    attention_step = composed_attention_step
-    linears = staticmethod(separate_linears)
-    gate_up_silu = staticmethod(separate_gate_up_silu)
-    run_layer = staticmethod(lambda block, x, cos, sin, cache, layer, mask: None)  # no one-call block: op by op
 
     def __init__(self, compiler: str | None = None):
         pass
