@@ -212,9 +212,12 @@ class _CompiledBackend:
             batch * num_new > MAX_LAYER_ROWS or attention.qk_norm or norm1.eps != norm2.eps or head_dim % 2
             or not (_fp32_inference(x, cos, sin, norm1.weight, norm2.weight) and x.is_contiguous())
             or cos.shape != (batch, 1, num_new, head_dim) or sin.shape != cos.shape or cache.dtype is not _FP32
-            or not all(hasattr(linear, "route") and linear.runs_in_kernel(linear_input) for linear, linear_input in
-                       zip(linears, (x, x, x, None, x, x, None)) if linear_input is not None)
-            or mlp.gate_proj.out_features != mlp.up_proj.out_features
+            or not all(hasattr(linear, "route") for linear in linears)  # GGUFLinear, all seven
+            or not all(linear.runs_in_kernel(x) for linear in linears if linear.in_features == x.shape[-1])
+            or attention.o_proj.in_features != attention.num_heads * head_dim
+            or not (mlp.gate_proj.out_features == mlp.up_proj.out_features == mlp.down_proj.in_features)
+            or not all(_fp32_inference(linear.bias) and linear.bias.is_contiguous() for linear in
+                       (attention.o_proj, mlp.down_proj) if linear.bias is not None)
         ):  # fmt: skip
             return None
         keys, values, span = cache.layer_for_write(layer, num_new)
