@@ -89,9 +89,14 @@ def separate_linears(x: torch.Tensor, layers) -> list[torch.Tensor]:
 
 def separate_gate_up_silu(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> torch.Tensor:
     """The SwiGLU MLP's silu(gate(x)) * up(x) by torch's ops."""
+    return torch_silu_mul(gate(x), up(x))
+
+
+def torch_silu_mul(gated: torch.Tensor, upped: torch.Tensor) -> torch.Tensor:
+    """silu(gated) * upped by torch's ops."""
     if torch.is_grad_enabled():
-        return F.silu(gate(x)) * up(x)
-    return F.silu(gate(x)).mul_(up(x))  # the product in place on silu's own temporary
+        return F.silu(gated) * upped
+    return F.silu(gated).mul_(upped)  # the product in place on silu's own temporary
 
 
 def composed_attention_step(kernels, q, k, v, cos, sin, cache, layer: int, mask) -> torch.Tensor:
@@ -251,7 +256,7 @@ class _CompiledBackend:
             gated, upped = gate(x), up(x)  # [..., I] each
             if _fp32_inference(gated, upped) and gated.shape == upped.shape and gated.is_contiguous() and upped.is_contiguous():
                 return self.library.silu_mul(gated, upped)
-            return F.silu(gated).mul_(upped) if not torch.is_grad_enabled() else F.silu(gated) * upped
+            return torch_silu_mul(gated, upped)
         return separate_gate_up_silu(x, gate, up)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
